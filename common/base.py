@@ -1,0 +1,117 @@
+"""Loading the frozen base model: any local Hugging Face causal-LM checkpoint directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+class FedLookaheadError(ValueError):
+    """A user-facing error: its message is one line naming the problem."""
+
+
+@dataclass
+class BaseModel:
+    """A frozen causal LM, its tokenizer and the fingerprint heads are bound to."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    path: Path
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states (after the final norm, as the LM head sees them), without gradients."""
+        with torch.no_grad():
+            return self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' means CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise FedLookaheadError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FedLookaheadError(f"device {device!r} requested but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU; bf16 on CUDA where supported, else fp16."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def fingerprint_dir(path: Path) -> str:
+    """A stable id of a checkpoint: architecture config plus samples of every weight file's bytes.
+
+    Computed from the files, not from tensors in memory, so the same checkpoint loaded in fp32 on a
+    CPU and in bf16 on a GPU has one fingerprint; reading only 1 MiB at each end of each weight file
+    keeps it instant for multi-GB models.
+    """
+    digest = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    for volatile in ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache"):
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    weight_files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+    for weights in weight_files:
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None = None) -> BaseModel:
+    """Load a local causal LM directory with its tokenizer, frozen and in eval mode."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FedLookaheadError(f"base model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FedLookaheadError(f"not a Hugging Face model directory (no config.json): {path}")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise FedLookaheadError(f"model type {config.model_type!r} in {path} is not a causal language model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise FedLookaheadError(f"no usable tokenizer in {path}: {str(exc).splitlines()[0]}") from exc
+    if len(tokenizer) > config.vocab_size:
+        raise FedLookaheadError(
+            f"tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
+        )
+    torch_device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
+    model.to(torch_device).eval().requires_grad_(False)
+    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path)

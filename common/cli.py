@@ -1,0 +1,103 @@
+"""`fedla`: the one command-line entry point.
+
+Commands that belong to the server or the client side import them lazily, inside the command, so
+`common` never depends on `client` or `server` at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from common.base import BaseModel, FedLookaheadError, load_base
+
+app = typer.Typer(help="FedLookahead: federated lookahead heads for fast lossless decoding.", no_args_is_help=True)
+log = logging.getLogger("fedla")
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit non-zero."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def open_base(base: Optional[Path], device: str = "auto") -> BaseModel:
+    """The given base model directory, or the embedded default (built on first use)."""
+    from common.default_model import ensure_default_base
+
+    return load_base(base or ensure_default_base(), device=device)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def bootstrap(
+    out: Optional[Path] = typer.Option(None, help="Where to save it (default: the cache, see $FEDLA_HOME)."),
+    force: bool = typer.Option(False, help="Rebuild even if it exists."),
+) -> None:
+    """Build the embedded default base model (tokenizer + small Llama pretrained on the stdlib)."""
+    from common.default_model import build_default_base, default_base_dir
+
+    target = out or default_base_dir()
+    if (target / "config.json").is_file() and not force:
+        typer.echo(f"default base already built: {target}")
+    else:
+        build_default_base(target)
+    typer.echo((target / "fedla_build.json").read_text() if (target / "fedla_build.json").is_file() else str(target))
+
+
+@app.command("train-heads")
+def train_heads_cmd(
+    out: Path = typer.Option(..., help="Directory to save the trained heads."),
+    data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib train split)."),
+    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    epochs: int = typer.Option(1, min=1),
+    num_heads: int = typer.Option(4, min=1, help="K lookahead heads."),
+    chunk_len: int = typer.Option(128, min=8, help="Tokens per training chunk."),
+    batch_size: int = typer.Option(16, min=1),
+    lr: float = typer.Option(1e-3),
+    max_chunks: int = typer.Option(0, min=0, help="Use at most this many chunks (0: all)."),
+    eval_data: Optional[Path] = typer.Option(None, help="Held-out folder (default: stdlib held-out split)."),
+    device: str = typer.Option("auto"),
+) -> None:
+    """Centralised head training with a progress bar; prints per-head top-1 accuracy on held-out code."""
+    from common.data import chunk_files, load_chunks, stdlib_files
+    from common.heads import DraftHeads
+    from common.training import evaluate_heads, train_heads
+
+    try:
+        model = open_base(base, device)
+        tokenizer = model.tokenizer
+        chunks = load_chunks(data, tokenizer, chunk_len) if data else chunk_files(stdlib_files("train"), tokenizer, chunk_len)
+        heldout = load_chunks(eval_data, tokenizer, chunk_len) if eval_data else chunk_files(stdlib_files("heldout"), tokenizer, chunk_len)
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    if max_chunks:
+        chunks = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:max_chunks]]
+    heads = DraftHeads.fresh(model, num_heads)
+    started = time.perf_counter()
+    history = train_heads(heads, model, chunks, epochs=epochs, lr=lr, batch_size=batch_size)
+    seconds = time.perf_counter() - started
+    heads.save(out)
+    report = {
+        "train_chunks": len(chunks),
+        "chunk_len": chunk_len,
+        "train_seconds": round(seconds, 1),
+        "train_tokens_per_s": round(len(chunks) * chunk_len * epochs / seconds, 1),
+        "trainable_parameters": heads.num_trainable(),
+        "train": history[-1],
+        "heldout": evaluate_heads(heads, model, heldout[:256]),
+        "heads": str(out),
+    }
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    typer.echo(json.dumps(report, indent=2))
+
