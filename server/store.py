@@ -1,0 +1,594 @@
+"""Run store: what the ServerApp records about a federated run, and what the dashboard reads.
+
+One SQL database (SQLite by default, any SQLAlchemy URL such as postgresql:// by configuration) with
+real ORM tables:
+
+* ``runs``              one row per run: config, SecAgg+ settings, status, timestamps;
+* ``rounds``            aggregated metrics of one round (loss, per-head accuracy, tau, client-side eval);
+* ``participation``     sampled / succeeded / dropped clients of that round;
+* ``rejected_replies``  one row per rejected client reply, with its reason only;
+* ``privacy``           max / mean epsilon and delta after that round;
+* ``checkpoints``       saved head checkpoints (head version, path, size, sha256);
+* ``schema_version``    the schema's version, upgraded in order by ``MIGRATIONS`` when a store opens.
+
+Individual client updates are never stored: there is no table for them, and with SecAgg+ the server
+never has them anyway (it only sees the aggregate).
+
+Every ``record_*`` call is its own transaction, so a crash mid-round loses nothing already recorded.
+Bad input (unknown run id, malformed dicts) raises a one-line ``ValueError`` before anything is
+written; what is already stored is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+)
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+DEFAULT_DB_PATH = Path("runs") / "fedla.db"
+RUN_STATUSES = ("running", "finished", "failed")
+FINAL_STATUSES = ("finished", "failed")
+
+# ------------------------------------------------------------------------------------------ schema
+
+SCHEMA_VERSION = 2
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class SchemaVersion(Base):
+    __tablename__ = "schema_version"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1: a single row
+    version: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    run_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    status: Mapped[str] = mapped_column(String(20), nullable=False)
+    config: Mapped[dict] = mapped_column(JSON, nullable=False)
+    secagg: Mapped[dict] = mapped_column(JSON, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finished_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    rounds: Mapped[list["Round"]] = relationship(back_populates="run", cascade="all, delete-orphan",
+                                                 passive_deletes=True, order_by="Round.round")
+    checkpoints: Mapped[list["Checkpoint"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
+                                                           order_by="Checkpoint.round")
+
+
+class Round(Base):
+    """Aggregated metrics of one round (never any individual client's update)."""
+
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round", name="uq_rounds_run_round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), nullable=False, index=True)
+    round: Mapped[int] = mapped_column(Integer, nullable=False)
+    train_loss: Mapped[float] = mapped_column(Float, nullable=False)
+    head_accuracy: Mapped[list] = mapped_column(JSON, nullable=False)
+    tau: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    client_head_accuracy: Mapped[Optional[list]] = mapped_column(JSON, nullable=True)  # added in v2
+    client_tau: Mapped[Optional[float]] = mapped_column(Float, nullable=True)  # added in v2
+    wall_seconds: Mapped[float] = mapped_column(Float, nullable=False)
+    bytes_per_client: Mapped[int] = mapped_column(Integer, nullable=False)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+    run: Mapped[Run] = relationship(back_populates="rounds")
+    participation: Mapped[Optional["Participation"]] = relationship(cascade="all, delete-orphan",
+                                                                    passive_deletes=True, uselist=False)
+    rejected: Mapped[list["RejectedReply"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
+                                                           order_by="RejectedReply.id")
+    privacy: Mapped[Optional["Privacy"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
+                                                        uselist=False)
+
+
+class Participation(Base):
+    __tablename__ = "participation"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), primary_key=True)
+    sampled: Mapped[int] = mapped_column(Integer, nullable=False)
+    succeeded: Mapped[int] = mapped_column(Integer, nullable=False)
+    dropped: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class RejectedReply(Base):
+    """A client reply the server refused, with the reason only (no payload is ever kept)."""
+
+    __tablename__ = "rejected_replies"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), nullable=False, index=True)
+    reason: Mapped[str] = mapped_column(String(500), nullable=False)
+
+
+class Privacy(Base):
+    __tablename__ = "privacy"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), primary_key=True)
+    epsilon_max: Mapped[float] = mapped_column(Float, nullable=False)  # may be +inf: no DP guarantee
+    epsilon_mean: Mapped[float] = mapped_column(Float, nullable=False)
+    delta: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "round", name="uq_checkpoints_run_round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id", ondelete="CASCADE"), nullable=False, index=True)
+    round: Mapped[int] = mapped_column(Integer, nullable=False)
+    head_version: Mapped[int] = mapped_column(Integer, nullable=False)
+    path: Mapped[str] = mapped_column(String(4096), nullable=False)
+    size_bytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    sha256: Mapped[str] = mapped_column(String(64), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+STORE_TABLES = frozenset(Base.metadata.tables)
+
+
+# -------------------------------------------------------------------------------------- migrations
+
+
+def _migrate_1_to_2(conn: Connection) -> None:
+    """v2: client-side evaluation (per-head accuracy and tau measured on the clients) per round."""
+    json_type = JSON().compile(dialect=conn.dialect)
+    float_type = Float().compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE rounds ADD COLUMN client_head_accuracy {json_type}"))
+    conn.execute(text(f"ALTER TABLE rounds ADD COLUMN client_tau {float_type}"))
+
+
+# target version -> migration from (target - 1); applied in order when a store opens an older database.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    2: _migrate_1_to_2,
+}
+assert sorted(MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1)), "every version needs its migration"
+
+
+def _ensure_schema(engine: Engine) -> None:
+    """Create a fresh schema, or upgrade an older one step by step; each step is one transaction."""
+    for attempt in range(5):  # another process may be creating the same fresh database right now
+        try:
+            with engine.begin() as conn:
+                tables = set(inspect(conn).get_table_names())
+                if "schema_version" not in tables:
+                    if tables & STORE_TABLES:
+                        raise ValueError(f"database {engine.url!r} has run-store tables but no schema_version "
+                                         "table; refusing to guess its version")
+                    Base.metadata.create_all(conn)
+                    conn.execute(SchemaVersion.__table__.insert().values(id=1, version=SCHEMA_VERSION))
+                    return
+            break
+        except (IntegrityError, OperationalError):
+            if attempt == 4:
+                raise
+    while True:
+        with engine.begin() as conn:
+            version = conn.execute(select(SchemaVersion.version).where(SchemaVersion.id == 1)).scalar_one_or_none()
+            if version is None:
+                raise ValueError(f"database {engine.url!r} has an empty schema_version table")
+            if version > SCHEMA_VERSION:
+                raise ValueError(f"database schema version {version} is newer than this code's "
+                                 f"({SCHEMA_VERSION}); upgrade fedlookahead")
+            if version == SCHEMA_VERSION:
+                return
+            MIGRATIONS[version + 1](conn)
+            conn.execute(SchemaVersion.__table__.update().where(SchemaVersion.id == 1).values(version=version + 1))
+
+
+# -------------------------------------------------------------------------------------- validation
+
+
+def _fail(message: str) -> None:
+    raise ValueError(" ".join(message.split()))  # always one line
+
+
+def _number(value: Any, name: str, *, allow_inf: bool = False, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
+        _fail(f"{name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        _fail(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _integer(value: Any, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        _fail(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _dict(value: Any, name: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(value, dict):
+        _fail(f"{name} must be a dict, got {type(value).__name__}")
+    missing = required - value.keys()
+    unknown = value.keys() - required - optional
+    if missing:
+        _fail(f"{name} is missing {sorted(missing)}")
+    if unknown:
+        _fail(f"{name} has unknown keys {sorted(map(str, unknown))}")
+    return value
+
+
+def _floats(value: Any, name: str, *, optional: bool) -> list[float] | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, (list, tuple)):
+        _fail(f"{name} must be a list of numbers, got {type(value).__name__}")
+    return [_number(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def _json_dict(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        _fail(f"{name} must be a dict, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        _fail(f"{name} is not JSON-serialisable: {exc}")
+
+
+def _run_id(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > 200:
+        _fail(f"run_id must be a non-empty string of at most 200 characters, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    if moment.tzinfo is None:  # SQLite drops the zone; we only ever write UTC
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.isoformat()
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """JSON has no infinity: an unbounded epsilon (no DP) is reported as null."""
+    return None if value is None or math.isinf(value) or math.isnan(value) else value
+
+
+def _round_dict(row: Round) -> dict:
+    part, priv = row.participation, row.privacy
+    return {
+        "round": row.round,
+        "metrics": {
+            "train_loss": row.train_loss,
+            "head_accuracy": list(row.head_accuracy),
+            "tau": row.tau,
+            "client_head_accuracy": None if row.client_head_accuracy is None else list(row.client_head_accuracy),
+            "client_tau": row.client_tau,
+        },
+        "participation": {
+            "sampled": part.sampled if part else 0,
+            "succeeded": part.succeeded if part else 0,
+            "dropped": part.dropped if part else 0,
+            "rejected": [{"reason": r.reason} for r in row.rejected],
+        },
+        "privacy": {
+            "epsilon_max": _finite_or_none(priv.epsilon_max) if priv else None,
+            "epsilon_mean": _finite_or_none(priv.epsilon_mean) if priv else None,
+            "delta": priv.delta if priv else None,
+        },
+        "wall_seconds": row.wall_seconds,
+        "bytes_per_client": row.bytes_per_client,
+        "recorded_at": _iso(row.recorded_at),
+    }
+
+
+def _checkpoint_dict(row: Checkpoint) -> dict:
+    return {"round": row.round, "head_version": row.head_version, "path": row.path, "size_bytes": row.size_bytes,
+            "sha256": row.sha256, "created_at": _iso(row.created_at)}
+
+
+# ------------------------------------------------------------------------------------------- store
+
+
+def default_url() -> str:
+    """$FEDLA_DB (a SQLAlchemy URL or a file path), else the SQLite file runs/fedla.db."""
+    configured = os.environ.get("FEDLA_DB", "").strip()
+    if configured:
+        return configured if "://" in configured else f"sqlite:///{Path(configured)}"
+    return f"sqlite:///{DEFAULT_DB_PATH}"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+class RunStore:
+    """Records runs and rounds; reads them back for the dashboard. Thread-safe (a session per call)."""
+
+    def __init__(self, url: str | None = None):
+        url = url if url is not None else default_url()
+        if "://" not in url:  # a bare path is a SQLite file
+            url = f"sqlite:///{Path(url)}"
+        parsed = make_url(url)
+        kwargs: dict[str, Any] = {}
+        if parsed.get_backend_name() == "sqlite":
+            database = parsed.database or ""
+            if database in ("", ":memory:") or database.startswith("file::memory:"):
+                kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
+            else:
+                Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+                kwargs.update(connect_args={"check_same_thread": False, "timeout": 30})
+        self.url = parsed.render_as_string(hide_password=True)
+        self.engine = create_engine(parsed, **kwargs)
+        if parsed.get_backend_name() == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        _ensure_schema(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> RunStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(select(SchemaVersion.version).where(SchemaVersion.id == 1)).scalar_one()
+
+    # ------------------------------------------------------------------------------------- writes
+
+    def start_run(self, run_id: str, config: dict, secagg: dict) -> None:
+        """Create the run, or (resumed run) set it back to "running" keeping all its recorded rows."""
+        run_id = _run_id(run_id)
+        config = _json_dict(config, "config")
+        secagg = _json_dict(secagg, "secagg")
+        for attempt in range(2):
+            try:
+                with self._session.begin() as session:
+                    now = _now()
+                    run = session.get(Run, run_id)
+                    if run is None:
+                        session.add(Run(run_id=run_id, status="running", config=config, secagg=secagg,
+                                        started_at=now, updated_at=now, finished_at=None))
+                    else:
+                        run.status, run.config, run.secagg = "running", config, secagg
+                        run.updated_at, run.finished_at = now, None
+                return
+            except IntegrityError:  # created concurrently by another process: resume it instead
+                if attempt:
+                    raise
+
+    def record_round(self, run_id: str, round: int, *, metrics: dict, participation: dict, privacy: dict,
+                     wall_seconds: float, bytes_per_client: int) -> None:
+        """Insert or replace one round's aggregates (keyed by run and round), in one transaction."""
+        run_id = _run_id(run_id)
+        round = _integer(round, "round")
+        _dict(metrics, "metrics", {"train_loss", "head_accuracy"}, {"tau", "client_head_accuracy", "client_tau"})
+        train_loss = _number(metrics["train_loss"], "metrics.train_loss")
+        head_accuracy = _floats(metrics["head_accuracy"], "metrics.head_accuracy", optional=False)
+        tau = None if metrics.get("tau") is None else _number(metrics["tau"], "metrics.tau")
+        client_head_accuracy = _floats(metrics.get("client_head_accuracy"), "metrics.client_head_accuracy",
+                                       optional=True)
+        client_tau = None if metrics.get("client_tau") is None else _number(metrics["client_tau"],
+                                                                            "metrics.client_tau")
+        _dict(participation, "participation", {"sampled", "succeeded", "dropped"}, {"rejected"})
+        sampled = _integer(participation["sampled"], "participation.sampled")
+        succeeded = _integer(participation["succeeded"], "participation.succeeded")
+        dropped = _integer(participation["dropped"], "participation.dropped")
+        if succeeded > sampled or dropped > sampled:
+            _fail(f"participation: succeeded ({succeeded}) and dropped ({dropped}) cannot exceed sampled ({sampled})")
+        rejected = participation.get("rejected") or []
+        if not isinstance(rejected, (list, tuple)):
+            _fail(f"participation.rejected must be a list of {{'reason': str}}, got {type(rejected).__name__}")
+        reasons = []
+        for i, item in enumerate(rejected):
+            _dict(item, f"participation.rejected[{i}]", {"reason"})
+            if not isinstance(item["reason"], str) or not item["reason"].strip():
+                _fail(f"participation.rejected[{i}].reason must be a non-empty string")
+            reasons.append(item["reason"][:500])
+        _dict(privacy, "privacy", {"epsilon_max", "epsilon_mean", "delta"})
+        eps_max = _number(privacy["epsilon_max"], "privacy.epsilon_max", allow_inf=True, minimum=0)
+        eps_mean = _number(privacy["epsilon_mean"], "privacy.epsilon_mean", allow_inf=True, minimum=0)
+        delta = _number(privacy["delta"], "privacy.delta", minimum=0)
+        if delta > 1:
+            _fail(f"privacy.delta must be in [0, 1], got {delta}")
+        wall_seconds = _number(wall_seconds, "wall_seconds", minimum=0)
+        bytes_per_client = _integer(bytes_per_client, "bytes_per_client")
+
+        with self._session.begin() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                _fail(f"unknown run id {run_id!r}: call start_run first")
+            now = _now()
+            row = session.scalar(select(Round).where(Round.run_id == run_id, Round.round == round))
+            if row is None:
+                row = Round(run_id=run_id, round=round)
+                session.add(row)
+            row.train_loss, row.head_accuracy, row.tau = train_loss, head_accuracy, tau
+            row.client_head_accuracy, row.client_tau = client_head_accuracy, client_tau
+            row.wall_seconds, row.bytes_per_client, row.recorded_at = wall_seconds, bytes_per_client, now
+            if row.participation is None:
+                row.participation = Participation(sampled=sampled, succeeded=succeeded, dropped=dropped)
+            else:
+                row.participation.sampled, row.participation.succeeded = sampled, succeeded
+                row.participation.dropped = dropped
+            row.rejected.clear()
+            row.rejected.extend(RejectedReply(reason=r) for r in reasons)
+            if row.privacy is None:
+                row.privacy = Privacy(epsilon_max=eps_max, epsilon_mean=eps_mean, delta=delta)
+            else:
+                row.privacy.epsilon_max, row.privacy.epsilon_mean, row.privacy.delta = eps_max, eps_mean, delta
+            run.updated_at = now
+
+    def record_checkpoint(self, run_id: str, round: int, *, head_version: int, path: str, size_bytes: int,
+                          sha256: str) -> None:
+        """Insert or replace the checkpoint saved after ``round`` (keyed by run and round)."""
+        run_id = _run_id(run_id)
+        round = _integer(round, "round")
+        head_version = _integer(head_version, "head_version")
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+            _fail("path must be a non-empty string")
+        size_bytes = _integer(size_bytes, "size_bytes")
+        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
+            _fail(f"sha256 must be 64 hex digits, got {sha256!r}")
+        with self._session.begin() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                _fail(f"unknown run id {run_id!r}: call start_run first")
+            now = _now()
+            row = session.scalar(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round == round))
+            if row is None:
+                row = Checkpoint(run_id=run_id, round=round)
+                session.add(row)
+            row.head_version, row.path, row.size_bytes = head_version, str(path), size_bytes
+            row.sha256, row.created_at = sha256.lower(), now
+            run.updated_at = now
+
+    def finish_run(self, run_id: str, status: str) -> None:
+        if status not in FINAL_STATUSES:
+            _fail(f"status must be one of {FINAL_STATUSES}, got {status!r}")
+        run_id = _run_id(run_id)
+        with self._session.begin() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                _fail(f"unknown run id {run_id!r}")
+            now = _now()
+            run.status, run.updated_at, run.finished_at = status, now, now
+
+    def write_summary(self, run_id: str, path: Path) -> None:
+        """Write the run's summary.json from the database, atomically (temp file + rename).
+
+        ``path`` is the file to write; an existing directory gets ``summary.json`` inside it."""
+        run = self.get_run(run_id)
+        if run is None:
+            _fail(f"unknown run id {run_id!r}")
+        path = Path(path)
+        if path.is_dir():
+            path = path / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rounds = self.get_rounds(run_id)
+        summary = {
+            "schema_version": SCHEMA_VERSION,
+            "run": run,
+            "rounds": rounds,
+            "final": rounds[-1] if rounds else None,
+            "checkpoints": self._checkpoints(run_id),
+            "note": "Individual client updates are never stored: with SecAgg+ the server only sees the aggregate.",
+        }
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(summary, handle, indent=2, allow_nan=False)
+                handle.write("\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # -------------------------------------------------------------------------------------- reads
+
+    def list_runs(self) -> list[dict]:
+        """All runs, newest first, with their round count and last round's headline numbers."""
+        with self._session() as session:
+            counts = dict(session.execute(select(Round.run_id, func.count(Round.id)).group_by(Round.run_id)).all())
+            runs = session.scalars(select(Run).order_by(Run.started_at.desc(), Run.run_id)).all()
+            out = []
+            for run in runs:
+                last = session.scalar(select(Round).where(Round.run_id == run.run_id)
+                                      .order_by(Round.round.desc()).limit(1))
+                out.append({
+                    "run_id": run.run_id,
+                    "status": run.status,
+                    "started_at": _iso(run.started_at),
+                    "updated_at": _iso(run.updated_at),
+                    "finished_at": _iso(run.finished_at),
+                    "num_rounds": counts.get(run.run_id, 0),
+                    "last_round": last.round if last else None,
+                    "last_train_loss": last.train_loss if last else None,
+                    "last_tau": last.tau if last else None,
+                    "last_epsilon_max": _finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
+                })
+            return out
+
+    def get_run(self, run_id: str) -> dict | None:
+        with self._session() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                return None
+            count = session.scalar(select(func.count(Round.id)).where(Round.run_id == run_id))
+            last = session.scalar(select(func.max(Round.round)).where(Round.run_id == run_id))
+            return {
+                "run_id": run.run_id,
+                "status": run.status,
+                "config": run.config,
+                "secagg": run.secagg,
+                "started_at": _iso(run.started_at),
+                "updated_at": _iso(run.updated_at),
+                "finished_at": _iso(run.finished_at),
+                "num_rounds": count,
+                "last_round": last,
+                "latest_checkpoint": self._latest_checkpoint(session, run_id),
+            }
+
+    def get_rounds(self, run_id: str) -> list[dict]:
+        """The run's rounds in order, each shaped like record_round's arguments (+ recorded_at)."""
+        with self._session() as session:
+            rows = session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.round)).all()
+            return [_round_dict(row) for row in rows]
+
+    def latest_checkpoint(self, run_id: str) -> dict | None:
+        with self._session() as session:
+            return self._latest_checkpoint(session, run_id)
+
+    def checkpoints(self, run_id: str) -> list[dict]:
+        return self._checkpoints(run_id)
+
+    def _checkpoints(self, run_id: str) -> list[dict]:
+        with self._session() as session:
+            rows = session.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id)
+                                   .order_by(Checkpoint.round)).all()
+            return [_checkpoint_dict(row) for row in rows]
+
+    @staticmethod
+    def _latest_checkpoint(session, run_id: str) -> dict | None:
+        row = session.scalar(select(Checkpoint).where(Checkpoint.run_id == run_id)
+                             .order_by(Checkpoint.round.desc(), Checkpoint.head_version.desc()).limit(1))
+        return _checkpoint_dict(row) if row else None

@@ -1,0 +1,254 @@
+"""RunStore: ORM schema, upserts, resumed runs, bad input, crash safety, schema upgrades."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
+
+SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, "clipping_range": 8.0,
+          "quantization_range": 4194304, "modulus_range": 4294967296, "timeout": 30.0}
+CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
+
+
+def round_kwargs(r: int, **over) -> dict:
+    kwargs = dict(
+        metrics={"train_loss": 4.0 / r, "head_accuracy": [0.2 + 0.05 * r, 0.1 + 0.03 * r], "tau": 1.0 + 0.1 * r,
+                 "client_head_accuracy": [0.21 + 0.05 * r, 0.12 + 0.03 * r], "client_tau": 1.05 + 0.1 * r},
+        participation={"sampled": 4, "succeeded": 3, "dropped": 1, "rejected": [{"reason": "update norm too large"}]},
+        privacy={"epsilon_max": 0.5 * r, "epsilon_mean": 0.4 * r, "delta": 1e-5},
+        wall_seconds=2.5, bytes_per_client=123_456)
+    kwargs.update(over)
+    return kwargs
+
+
+@pytest.fixture
+def store(tmp_path) -> RunStore:
+    with RunStore(f"sqlite:///{tmp_path / 'fedla.db'}") as s:
+        yield s
+
+
+def test_roundtrip_upsert_and_summary(store, tmp_path):
+    store.start_run("run-a", CONFIG, SECAGG)
+    for r in (1, 2, 3):
+        store.record_round("run-a", r, **round_kwargs(r))
+    # Upsert: round 2 recorded again replaces the row, its participation, rejections and privacy.
+    store.record_round("run-a", 2, **round_kwargs(2, participation={"sampled": 4, "succeeded": 4, "dropped": 0}))
+    store.record_checkpoint("run-a", 2, head_version=2, path="/ckpt/v2", size_bytes=10, sha256="ab" * 32)
+    store.record_checkpoint("run-a", 3, head_version=3, path="/ckpt/v3", size_bytes=11, sha256="CD" * 32)
+    store.finish_run("run-a", "finished")
+
+    rounds = store.get_rounds("run-a")
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert rounds[1]["participation"] == {"sampled": 4, "succeeded": 4, "dropped": 0, "rejected": []}
+    assert rounds[0]["participation"]["rejected"] == [{"reason": "update norm too large"}]
+    assert rounds[2]["metrics"]["head_accuracy"] == pytest.approx([0.35, 0.19])
+    assert rounds[2]["privacy"] == {"epsilon_max": 1.5, "epsilon_mean": pytest.approx(1.2), "delta": 1e-5}
+    run = store.get_run("run-a")
+    assert run["status"] == "finished" and run["finished_at"] and run["num_rounds"] == 3
+    assert run["secagg"] == SECAGG and run["config"] == CONFIG
+    assert run["latest_checkpoint"]["head_version"] == 3 and run["latest_checkpoint"]["sha256"] == "cd" * 32
+    assert store.latest_checkpoint("run-a") == run["latest_checkpoint"]
+    assert store.latest_checkpoint("nope") is None and store.get_run("nope") is None and store.get_rounds("nope") == []
+    listed = store.list_runs()
+    assert [(r["run_id"], r["num_rounds"], r["last_round"]) for r in listed] == [("run-a", 3, 3)]
+
+    out = tmp_path / "out" / "summary.json"
+    store.write_summary("run-a", out)
+    summary = json.loads(out.read_text())
+    assert summary["run"]["run_id"] == "run-a" and len(summary["rounds"]) == 3
+    assert summary["final"]["round"] == 3 and len(summary["checkpoints"]) == 2
+    assert not list(out.parent.glob("*.tmp"))  # temp file renamed away
+    store.write_summary("run-a", out.parent)  # a directory gets summary.json inside
+    assert json.loads(out.read_text())["rounds"] == summary["rounds"]
+
+
+def test_resumed_run_keeps_rows(store):
+    store.start_run("run-r", CONFIG, SECAGG)
+    store.record_round("run-r", 1, **round_kwargs(1))
+    store.finish_run("run-r", "failed")
+    store.start_run("run-r", CONFIG, SECAGG)  # resumed
+    run = store.get_run("run-r")
+    assert run["status"] == "running" and run["finished_at"] is None and run["num_rounds"] == 1
+    store.record_round("run-r", 2, **round_kwargs(2))
+    assert [r["round"] for r in store.get_rounds("run-r")] == [1, 2]
+
+
+def test_no_dp_epsilon_is_infinite_and_reported_as_null(store, tmp_path):
+    store.start_run("nodp", CONFIG, SECAGG)
+    store.record_round("nodp", 1, **round_kwargs(1, privacy={"epsilon_max": math.inf, "epsilon_mean": math.inf,
+                                                             "delta": 0.0}))
+    assert store.get_rounds("nodp")[0]["privacy"]["epsilon_max"] is None
+    store.write_summary("nodp", tmp_path / "s.json")  # strict JSON, no Infinity
+    json.loads((tmp_path / "s.json").read_text())
+
+
+BAD_ROUNDS = [
+    ("metrics", {"train_loss": 1.0}, "metrics is missing ['head_accuracy']"),
+    ("metrics", {"train_loss": "x", "head_accuracy": []}, "metrics.train_loss must be a number"),
+    ("metrics", {"train_loss": math.nan, "head_accuracy": []}, "metrics.train_loss must be finite"),
+    ("metrics", {"train_loss": 1.0, "head_accuracy": [0.1, None]}, "metrics.head_accuracy[1] must be a number"),
+    ("metrics", {"train_loss": 1.0, "head_accuracy": [], "loss": 2}, "metrics has unknown keys ['loss']"),
+    ("participation", {"sampled": 2, "succeeded": 3, "dropped": 0}, "cannot exceed sampled"),
+    ("participation", {"sampled": 2, "succeeded": 1, "dropped": 1, "rejected": [{"why": "x"}]},
+     "participation.rejected[0] is missing ['reason']"),
+    ("participation", [1, 2], "participation must be a dict"),
+    ("privacy", {"epsilon_max": -1, "epsilon_mean": 0, "delta": 0}, "privacy.epsilon_max must be >= 0"),
+    ("privacy", {"epsilon_max": 1, "epsilon_mean": 1, "delta": 2}, "privacy.delta must be in [0, 1]"),
+    ("bytes_per_client", 1.5, "bytes_per_client must be an integer"),
+    ("wall_seconds", -1.0, "wall_seconds must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_ROUNDS)
+def test_bad_input_is_one_line_value_error_and_loses_nothing(store, field, value, message):
+    store.start_run("run-b", CONFIG, SECAGG)
+    store.record_round("run-b", 1, **round_kwargs(1))
+    before = store.get_rounds("run-b")
+    with pytest.raises(ValueError) as info:
+        store.record_round("run-b", 1, **round_kwargs(1, **{field: value}))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert store.get_rounds("run-b") == before
+
+
+def test_unknown_run_and_other_bad_calls(store):
+    with pytest.raises(ValueError, match=r"^unknown run id 'ghost': call start_run first$"):
+        store.record_round("ghost", 1, **round_kwargs(1))
+    with pytest.raises(ValueError, match="unknown run id"):
+        store.record_checkpoint("ghost", 1, head_version=1, path="p", size_bytes=1, sha256="0" * 64)
+    with pytest.raises(ValueError, match="unknown run id"):
+        store.finish_run("ghost", "finished")
+    store.start_run("run-c", CONFIG, SECAGG)
+    with pytest.raises(ValueError, match="status must be one of"):
+        store.finish_run("run-c", "done")
+    with pytest.raises(ValueError, match="sha256 must be 64 hex digits"):
+        store.record_checkpoint("run-c", 1, head_version=1, path="p", size_bytes=1, sha256="xyz")
+    with pytest.raises(ValueError, match="config is not JSON-serialisable"):
+        store.start_run("run-d", {"x": object()}, SECAGG)
+    with pytest.raises(ValueError, match="round must be >= 0"):
+        store.record_round("run-c", -1, **round_kwargs(1))
+    assert store.get_run("run-d") is None and store.get_run("run-c")["status"] == "running"
+
+
+def test_tables_pragmas_and_no_client_updates(store, tmp_path):
+    db = sqlite3.connect(tmp_path / "fedla.db")
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"schema_version", "runs", "rounds", "participation", "rejected_replies", "privacy",
+                      "checkpoints"} == set(STORE_TABLES)
+    # Nothing that could hold an individual client's update: no blob columns anywhere.
+    for table in tables:
+        types = {row[2].upper() for row in db.execute(f"PRAGMA table_info({table})")}
+        assert "BLOB" not in types, table
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_default_url_and_env_override(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FEDLA_DB", raising=False)
+    RunStore().close()
+    assert (tmp_path / "runs" / "fedla.db").is_file()
+    monkeypatch.setenv("FEDLA_DB", str(tmp_path / "elsewhere" / "x.db"))
+    with RunStore() as s:
+        s.start_run("e", CONFIG, SECAGG)
+    assert (tmp_path / "elsewhere" / "x.db").is_file()
+
+
+CRASHER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from server.store import Round, RunStore
+    from tests.test_store import CONFIG, SECAGG, round_kwargs
+    store = RunStore(sys.argv[1])
+    store.start_run("crash", CONFIG, SECAGG)
+    for r in (1, 2, 3):
+        store.record_round("crash", r, **round_kwargs(r))
+    session = store._session()
+    session.begin()
+    session.add(Round(run_id="crash", round=4, train_loss=1.0, head_accuracy=[], wall_seconds=0.0,
+                      bytes_per_client=0, recorded_at=__import__("datetime").datetime.now()))
+    session.flush()          # round 4 is half-written inside an open transaction...
+    os._exit(17)             # ...when the process dies without cleanup
+""")
+
+
+def test_crash_mid_round_loses_nothing_committed(tmp_path):
+    url = f"sqlite:///{tmp_path / 'crash.db'}"
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", CRASHER, url, root], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 17, proc.stderr
+    with RunStore(url) as store:
+        assert [r["round"] for r in store.get_rounds("crash")] == [1, 2, 3]
+        assert store.get_run("crash")["status"] == "running"
+        store.record_round("crash", 4, **round_kwargs(4))  # the resumed run carries on
+        assert store.get_run("crash")["num_rounds"] == 4
+    assert sqlite3.connect(tmp_path / "crash.db").execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+V1_DDL = """
+CREATE TABLE schema_version (id INTEGER PRIMARY KEY, version INTEGER NOT NULL);
+INSERT INTO schema_version VALUES (1, 1);
+CREATE TABLE runs (run_id VARCHAR(200) PRIMARY KEY, status VARCHAR(20) NOT NULL, config JSON NOT NULL,
+    secagg JSON NOT NULL, started_at DATETIME NOT NULL, updated_at DATETIME NOT NULL, finished_at DATETIME);
+CREATE TABLE rounds (id INTEGER PRIMARY KEY, run_id VARCHAR(200) NOT NULL REFERENCES runs(run_id) ON DELETE CASCADE,
+    round INTEGER NOT NULL, train_loss FLOAT NOT NULL, head_accuracy JSON NOT NULL, tau FLOAT,
+    wall_seconds FLOAT NOT NULL, bytes_per_client INTEGER NOT NULL, recorded_at DATETIME NOT NULL,
+    CONSTRAINT uq_rounds_run_round UNIQUE (run_id, round));
+CREATE TABLE participation (round_id INTEGER PRIMARY KEY REFERENCES rounds(id) ON DELETE CASCADE,
+    sampled INTEGER NOT NULL, succeeded INTEGER NOT NULL, dropped INTEGER NOT NULL);
+CREATE TABLE rejected_replies (id INTEGER PRIMARY KEY, round_id INTEGER NOT NULL REFERENCES rounds(id)
+    ON DELETE CASCADE, reason VARCHAR(500) NOT NULL);
+CREATE TABLE privacy (round_id INTEGER PRIMARY KEY REFERENCES rounds(id) ON DELETE CASCADE,
+    epsilon_max FLOAT NOT NULL, epsilon_mean FLOAT NOT NULL, delta FLOAT NOT NULL);
+CREATE TABLE checkpoints (id INTEGER PRIMARY KEY, run_id VARCHAR(200) NOT NULL REFERENCES runs(run_id)
+    ON DELETE CASCADE, round INTEGER NOT NULL, head_version INTEGER NOT NULL, path VARCHAR(4096) NOT NULL,
+    size_bytes INTEGER NOT NULL, sha256 VARCHAR(64) NOT NULL, created_at DATETIME NOT NULL,
+    CONSTRAINT uq_checkpoints_run_round UNIQUE (run_id, round));
+INSERT INTO runs VALUES ('old', 'finished', '{"num_rounds": 1}', '{"num_shares": 3}',
+    '2025-01-01 00:00:00', '2025-01-01 00:00:00', '2025-01-01 00:00:00');
+INSERT INTO rounds VALUES (1, 'old', 1, 2.5, '[0.3, 0.2]', 1.4, 3.0, 999, '2025-01-01 00:00:00');
+INSERT INTO participation VALUES (1, 4, 4, 0);
+INSERT INTO privacy VALUES (1, 0.7, 0.6, 1e-05);
+"""
+
+
+def test_v1_database_is_upgraded_at_open(tmp_path):
+    assert list(MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1))
+    path = tmp_path / "v1.db"
+    db = sqlite3.connect(path)
+    db.executescript(V1_DDL)
+    db.close()
+    with RunStore(f"sqlite:///{path}") as store:
+        assert store.schema_version() == SCHEMA_VERSION == 2
+        old = store.get_rounds("old")
+        assert old[0]["metrics"]["train_loss"] == 2.5 and old[0]["metrics"]["client_tau"] is None
+        assert old[0]["recorded_at"] == "2025-01-01T00:00:00+00:00"
+        store.start_run("old", {"num_rounds": 2}, {"num_shares": 3})  # resume the old run on the new schema
+        store.record_round("old", 2, **round_kwargs(2))
+        assert store.get_rounds("old")[1]["metrics"]["client_tau"] == pytest.approx(1.25)
+    columns = {row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(rounds)")}
+    assert {"client_head_accuracy", "client_tau"} <= columns
+    with RunStore(f"sqlite:///{path}") as store:  # opening again is a no-op
+        assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_newer_or_unversioned_database_is_refused(tmp_path):
+    newer = tmp_path / "newer.db"
+    RunStore(f"sqlite:///{newer}").close()
+    sqlite3.connect(newer).execute("UPDATE schema_version SET version = 99").connection.commit()
+    with pytest.raises(ValueError, match="newer than this code"):
+        RunStore(f"sqlite:///{newer}")
+    bare = tmp_path / "bare.db"
+    sqlite3.connect(bare).executescript("CREATE TABLE runs (run_id TEXT PRIMARY KEY);")
+    with pytest.raises(ValueError, match="no schema_version"):
+        RunStore(f"sqlite:///{bare}")
