@@ -57,9 +57,10 @@ def heads_loss(
     samples, which Opacus's per-sample gradient scaling assumes.
     """
     length = targets.shape[1]
+    num_heads = getattr(heads, "_module", heads).num_heads  # Opacus's GradSampleModule hides attributes
     logits = heads(hidden[:, :-1], targets[:, 1:])  # (B, L-1, K, V): position t fused with token t+1
     loss = hidden.new_zeros((), dtype=torch.float32)
-    for k in range(1, heads.num_heads + 1):
+    for k in range(1, num_heads + 1):
         valid = length - 1 - k
         if valid <= 0:
             break
