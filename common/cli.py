@@ -101,3 +101,35 @@ def train_heads_cmd(
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
 
+
+@app.command("dashboard")
+def dashboard_cmd(
+    db: Optional[str] = typer.Option(None, help="Run store: SQLAlchemy URL or SQLite path (default: $FEDLA_DB or runs/fedla.db)."),
+    host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires a token."),
+    port: int = typer.Option(8080, min=1, max=65535),
+    token: Optional[str] = typer.Option(None, envvar="FEDLA_DASHBOARD_TOKEN", help="Require this token on every request."),
+) -> None:
+    """Read-only web dashboard of federated runs: live plots, SecAgg+ settings, checkpoint download."""
+    from server.dashboard import serve
+
+    try:
+        serve(db, host=host, port=port, token=token)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@app.command("dashboard-screenshot")
+def dashboard_screenshot_cmd(
+    run_id: str = typer.Option(..., help="Run to render."),
+    out: Path = typer.Option(Path("docs/dashboard.png"), help="PNG to write."),
+    db: Optional[str] = typer.Option(None, help="Run store URL or SQLite path (default: $FEDLA_DB or runs/fedla.db)."),
+    width: int = typer.Option(1400, min=640),
+) -> None:
+    """Screenshot a run's dashboard page with headless Chromium (for the README)."""
+    from server.dashboard.screenshot import screenshot_run
+
+    try:
+        typer.echo(screenshot_run(db, run_id, out, width=width))
+    except (ValueError, RuntimeError) as exc:
+        fail(str(exc))
+

@@ -1,0 +1,63 @@
+"""Realistic synthetic run data for the dashboard tests (and the README screenshot until a real run
+replaces it): written only through the RunStore API, shaped like what the ServerApp records."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from server.store import RunStore
+
+SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, "clipping_range": 8.0,
+          "quantization_range": 4194304, "modulus_range": 4294967296, "timeout": 30.0}
+REJECT_REASONS = ["update has non-finite values", "stale head version (expected 7, got 6)",
+                  "reply missing 'num_examples'"]
+
+
+def write_checkpoint(directory: Path, seed: int) -> tuple[Path, int, str]:
+    """A small heads.safetensors checkpoint directory; returns (dir, size of heads file, its sha256)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"heads.0.proj.weight": torch.randn(64, 64, generator=g),
+               "heads.1.proj.weight": torch.randn(64, 64, generator=g)}, str(directory / "heads.safetensors"))
+    (directory / "heads_config.json").write_text('{"num_heads": 2, "hidden_size": 64}\n')
+    data = (directory / "heads.safetensors").read_bytes()
+    return directory, len(data), hashlib.sha256(data).hexdigest()
+
+
+def fill_realistic_run(store: RunStore, run_id: str, *, rounds: int = 20, num_heads: int = 4,
+                       checkpoint_root: Path | None = None, checkpoint_every: int = 5, finish: bool = True,
+                       seed: int = 0) -> None:
+    rng = random.Random(seed)
+    config = {"num_rounds": rounds, "clients_per_round": 8, "num_clients": 32, "num_heads": num_heads,
+              "local_epochs": 1, "lr": 0.001, "noise_multiplier": 0.9, "max_grad_norm": 1.0, "delta": 1e-5,
+              "chunk_len": 128, "base": "default (stdlib Llama, 6 layers)"}
+    store.start_run(run_id, config, SECAGG)
+    ceilings = [0.62, 0.41, 0.29, 0.21, 0.16, 0.12][:num_heads]
+    for r in range(1, rounds + 1):
+        progress = 1 - math.exp(-r / 6)
+        acc = [max(0.0, c * (0.25 + 0.75 * progress) + rng.gauss(0, 0.008)) for c in ceilings]
+        client_acc = [max(0.0, a + rng.gauss(0.01, 0.012)) for a in acc]
+        tau = 1 + sum(math.prod(acc[: k + 1]) for k in range(num_heads))
+        client_tau = 1 + sum(math.prod(client_acc[: k + 1]) for k in range(num_heads))
+        dropped = rng.choice([0, 0, 0, 1, 1, 2])
+        rejected = [{"reason": rng.choice(REJECT_REASONS)} for _ in range(rng.choice([0, 0, 0, 0, 1]))]
+        succeeded = 8 - dropped - len(rejected)
+        eps = 0.42 * math.sqrt(r) + 0.05 * r
+        store.record_round(
+            run_id, r,
+            metrics={"train_loss": 6.1 * math.exp(-r / 9) + 2.7 + rng.gauss(0, 0.04), "head_accuracy": acc,
+                     "tau": tau, "client_head_accuracy": client_acc, "client_tau": client_tau},
+            participation={"sampled": 8, "succeeded": succeeded, "dropped": dropped, "rejected": rejected},
+            privacy={"epsilon_max": eps * 1.08, "epsilon_mean": eps, "delta": 1e-5},
+            wall_seconds=round(rng.uniform(38, 52), 1), bytes_per_client=2_164_736)
+        if checkpoint_root is not None and (r % checkpoint_every == 0 or r == rounds):
+            directory, size, sha = write_checkpoint(checkpoint_root / f"round-{r:04d}", seed=r)
+            store.record_checkpoint(run_id, r, head_version=r, path=str(directory), size_bytes=size, sha256=sha)
+    if finish:
+        store.finish_run(run_id, "finished")

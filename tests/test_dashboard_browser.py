@@ -1,0 +1,84 @@
+"""The dashboard in a real headless Chromium: plots render with one point per round, live updates
+arrive by polling, the token travels with every request the page makes."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+
+from server.dashboard.screenshot import chromium_page, find_chromium, run_page_url, serve_in_thread
+
+if find_chromium() is None:
+    pytest.skip("no Chromium at /usr/bin/chromium (CI installs Debian's `chromium`); set $FEDLA_CHROMIUM to run "
+                "the browser test", allow_module_level=True)
+pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+
+from dashboard_data import fill_realistic_run  # noqa: E402
+from server.dashboard import create_app  # noqa: E402
+from server.store import RunStore  # noqa: E402
+
+TOKEN = "browser-test-token-0123456789"
+CANVASES = ["chart-loss", "chart-accuracy", "chart-tau", "chart-epsilon", "chart-participation"]
+ROUNDS = 12
+
+# Pixels of a canvas that are not fully transparent: a rendered chart has thousands.
+INK = """id => { const c = document.getElementById(id); const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+               let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }"""
+POINTS = """id => { const ch = window.fedla.charts[id];
+                    return {labels: ch.data.labels.length, points: ch.data.datasets.map(d => d.data.length)}; }"""
+
+
+def test_run_page_in_chromium(tmp_path):
+    store = RunStore(f"sqlite:///{tmp_path / 'fedla.db'}")
+    fill_realistic_run(store, "live-run", rounds=ROUNDS, checkpoint_root=tmp_path / "ckpt", finish=False)
+    errors: list[str] = []
+    with serve_in_thread(create_app(store, token=TOKEN)) as base_url, chromium_page() as page:
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+        page.goto(f"{base_url}/?token={TOKEN}")
+        assert page.locator('tr[data-run-id="live-run"] a').get_attribute("href") == f"/runs/live-run?token={TOKEN}"
+
+        page.goto(run_page_url(base_url, "live-run", TOKEN))
+        page.wait_for_selector('body[data-ready="1"]', timeout=20_000)
+        assert "never stored" in page.locator("#privacy-note").inner_text()
+        assert page.evaluate("window.fedla.pollErrors") == 0 and page.evaluate("document.body.dataset.poll") == "ok"
+        for canvas in CANVASES:
+            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(ROUNDS), canvas
+            counts = page.evaluate(POINTS, canvas)
+            assert counts["labels"] == ROUNDS and set(counts["points"]) == {ROUNDS}, (canvas, counts)
+            assert page.evaluate(INK, canvas) > 2000, f"{canvas} looks blank"
+        # 4 heads, each with a server and a client-side accuracy line.
+        assert len(page.evaluate("window.fedla.charts['chart-accuracy'].data.datasets")) == 8
+        assert page.locator("#rounds-table tbody tr").count() == ROUNDS
+        assert "reconstruction_threshold" in page.locator("#secagg").inner_text()
+
+        # Live update: the server records a round and a checkpoint; the page picks them up by polling.
+        store.record_round("live-run", ROUNDS + 1,
+                           metrics={"train_loss": 3.2, "head_accuracy": [0.6, 0.4, 0.3, 0.2], "tau": 1.9},
+                           participation={"sampled": 8, "succeeded": 7, "dropped": 1, "rejected": []},
+                           privacy={"epsilon_max": 2.9, "epsilon_mean": 2.7, "delta": 1e-5},
+                           wall_seconds=40.0, bytes_per_client=2_164_736)
+        store.finish_run("live-run", "finished")
+        page.wait_for_selector(f'body[data-rounds="{ROUNDS + 1}"]', timeout=10_000)
+        for canvas in CANVASES:
+            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(ROUNDS + 1)
+        assert page.locator("#run-status").inner_text() == "finished"
+
+        # The download link carries the token and serves the recorded checkpoint.
+        link = page.locator("#checkpoint-download").get_attribute("href")
+        assert link == f"/runs/live-run/checkpoint?token={TOKEN}"
+        with page.expect_download() as info:
+            page.locator("#checkpoint-download").click()
+        zipped = tmp_path / "download.zip"
+        info.value.save_as(zipped)
+        heads = zipfile.ZipFile(zipped).read("heads.safetensors")
+        assert hashlib.sha256(heads).hexdigest() == store.latest_checkpoint("live-run")["sha256"]
+
+        shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 50_000
+    store.close()
+    assert not errors, errors
