@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
 import tempfile
@@ -213,7 +214,7 @@ def _fail(message: str) -> None:
 
 
 def _number(value: Any, name: str, *, allow_inf: bool = False, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
         _fail(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
@@ -224,7 +225,7 @@ def _number(value: Any, name: str, *, allow_inf: bool = False, minimum: float | 
 
 
 def _integer(value: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(f"{name} must be an integer, got {type(value).__name__}")
     if value < minimum:
         _fail(f"{name} must be >= {minimum}, got {value}")
@@ -251,11 +252,22 @@ def _floats(value: Any, name: str, *, optional: bool) -> list[float] | None:
     return [_number(v, f"{name}[{i}]") for i, v in enumerate(value)]
 
 
+def _finite_json(value: Any) -> Any:
+    """Strict JSON (PostgreSQL's JSON type has no Infinity/NaN): non-finite floats become "inf"/"-inf"/"nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item) for item in value]
+    return value
+
+
 def _json_dict(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         _fail(f"{name} must be a dict, got {type(value).__name__}")
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        return json.loads(json.dumps(_finite_json(value), allow_nan=False))
     except (TypeError, ValueError) as exc:
         _fail(f"{name} is not JSON-serialisable: {exc}")
 

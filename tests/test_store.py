@@ -252,3 +252,15 @@ def test_newer_or_unversioned_database_is_refused(tmp_path):
     sqlite3.connect(bare).executescript("CREATE TABLE runs (run_id TEXT PRIMARY KEY);")
     with pytest.raises(ValueError, match="no schema_version"):
         RunStore(f"sqlite:///{bare}")
+
+
+def test_numpy_scalars_and_non_finite_config_values(store):
+    np = pytest.importorskip("numpy")
+    store.start_run("np", {"dp_target_epsilon": math.inf, "nested": [math.nan]}, SECAGG)
+    assert store.get_run("np")["config"] == {"dp_target_epsilon": "inf", "nested": ["nan"]}
+    store.record_round("np", np.int64(1), **round_kwargs(
+        1, metrics={"train_loss": np.float32(2.5), "head_accuracy": list(np.array([0.5, 0.25], dtype=np.float32))},
+        participation={"sampled": np.int64(3), "succeeded": 3, "dropped": 0}, bytes_per_client=np.int32(7)))
+    row = store.get_rounds("np")[0]
+    assert row["metrics"]["head_accuracy"] == [0.5, 0.25] and type(row["metrics"]["train_loss"]) is float
+    assert row["participation"]["sampled"] == 3 and row["bytes_per_client"] == 7
