@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -153,6 +154,7 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None)
                   description="Read-only view of federated runs recorded in the run store. " + PRIVACY_NOTE)
     app.state.store = store
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
+    templates.env.filters["show"] = lambda v: v if isinstance(v, str) else json.dumps(v)  # true/null, not True/None
 
     def with_token(request: Request, url: str) -> str:
         """Links and assets carry the browser's ?token= so that every request stays authorised."""
