@@ -1,0 +1,138 @@
+"""The FedLookahead ClientApp: trains the draft heads on the client's own text with DP, under SecAgg+.
+
+Train messages use Flower's legacy FitIns/FitRes record layout because SecAgg+ in Flower 1.42
+exists only in the legacy workflow API (`SecAggPlusWorkflow`): `secaggplus_mod` masks the FitRes
+parameters, so the train handler reads `compat.recorddict_to_fitins` and replies with
+`compat.fitres_to_recorddict` (a new-style ArrayRecord reply fails under it with
+`KeyError: 'fitres.parameters'`). The heads still travel as a Flower ArrayRecord (`fitins.parameters`)
+next to a ConfigRecord (`fitins.config`) carrying the base fingerprint and head version.
+The mod is applied only to SecAgg+ stage messages, so the same handler also serves plain FedAvg.
+
+Evaluate messages are native: an ArrayRecord of named head tensors plus a ConfigRecord, answered
+with a MetricRecord.
+"""
+
+from __future__ import annotations
+
+import time
+
+import flwr.compat.common.recorddict_compat as compat
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+from client.privacy import load_state, save_state, state_file, train_round
+from client.task import cached_base, client_data
+from common.base import FedLookaheadError
+from common.fedconfig import FedConfig
+from common.fedeval import chunk_prompts, decode_tau
+from common.params import (
+    HEADS_CONFIG_RECORD,
+    HEADS_RECORD,
+    expected_shapes,
+    heads_from_config,
+    heads_from_records,
+    heads_to_ndarrays,
+    load_ndarrays,
+    validate_update,
+)
+from common.training import evaluate_heads
+
+
+# Keys the server adds to the train config next to the heads' own (common.params)
+ROUND = "server-round"
+RUN_KEY = "fedla-run-id"
+FAIL = "simulate-failure"  # simulation only: the server picked this client to crash mid-round
+
+
+class SimulatedDropout(RuntimeError):
+    """Raised on purpose in the dropout scenario: the client vanishes after SecAgg+ key setup."""
+
+
+def secaggplus_when_needed(msg: Message, context: Context, call_next):
+    """`secaggplus_mod` for SecAgg+ stage messages; plain FedAvg train messages go straight through."""
+    if msg.metadata.message_type == MessageType.TRAIN and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def client_config(context: Context) -> FedConfig:
+    return FedConfig.from_mapping(context.run_config, context.node_config)
+
+
+def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
+    """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
+    config = client_config(context)
+    if fit_config.get(FAIL):
+        raise SimulatedDropout(f"simulated dropout in round {fit_config.get(ROUND)} (dropout-rate={config.dropout_rate})")
+    base = cached_base(config)
+    heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
+    load_ndarrays(heads, arrays)
+    data = client_data(config, base, dict(context.node_config))
+    if len(data.train) == 0:
+        raise FedLookaheadError("this client has no training chunks")
+    run_key = str(fit_config.get(RUN_KEY, context.run_id))
+    path = state_file(config, dict(context.node_config), run_key) if config.dp else None
+    state = load_state(context, path, run_key) if config.dp else None
+    result = train_round(heads, base, data.train, config, state)
+    if state is not None and not result.skipped:
+        save_state(context, path, state)
+    sent = heads_to_ndarrays(heads) if not result.skipped else arrays
+    bound = config.secagg_clipping_range if config.secagg else None
+    reason = validate_update(sent, expected_shapes(heads), bound)
+    if reason:  # never send something the secure sum would silently clip or that would poison it
+        raise FedLookaheadError(f"refusing to send a malformed update: {reason}")
+    metrics = {
+        "skipped": int(bool(result.skipped)),
+        "skip-reason": result.skipped,
+        "epsilon": float(result.epsilon),
+        "delta": float(config.dp_delta) if config.dp else 0.0,
+        "dp": int(config.dp),
+        "q": float(result.q),
+        "no-amplification": int(config.dp and result.q >= 1.0),  # q = 1: every step sees all data
+        "noise-multiplier": float(result.noise_multiplier),
+        "steps": int(result.steps),
+        "num-train-chunks": int(len(data.train)),
+        "train-seconds": float(result.seconds),
+    }
+    if result.metrics is not None:
+        summary = result.metrics.summary()
+        metrics["loss"] = float(summary["loss"])
+        for k, acc in enumerate(summary["head_accuracy"], start=1):
+            metrics[f"acc-{k}"] = float(acc)
+    # SecAgg+ weight: capped so weight / max_weight <= 1 (beyond, the masked sum would overflow)
+    weight = 0 if result.skipped else min(len(data.train), int(config.secagg_max_weight))
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
+
+
+app = ClientApp()
+
+
+@app.train(mods=[secaggplus_when_needed])
+def train(msg: Message, context: Context) -> Message:
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    config = client_config(context)
+    base = cached_base(config)
+    heads = heads_from_records(msg.content[HEADS_RECORD], msg.content[HEADS_CONFIG_RECORD], base)
+    data = client_data(config, base, dict(context.node_config))
+    started = time.perf_counter()
+    metrics: dict = {"num-examples": int(len(data.heldout))}
+    if len(data.heldout):
+        summary = evaluate_heads(heads, base, data.heldout, batch_size=config.batch_size)
+        metrics["loss"] = float(summary["loss"])
+        metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
+        tau = decode_tau(base, heads, chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
+                         config.eval_max_new_tokens)
+        if tau is not None:
+            metrics["tau"] = tau
+    metrics["eval-seconds"] = time.perf_counter() - started
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -1,0 +1,187 @@
+"""What travels between the ServerApp and the ClientApps: head parameters only, and their checks.
+
+Both sides use this module, so the wire format has one definition:
+
+* the head weights (fusion + lookahead blocks; never the base) as float32 arrays in `state_dict`
+  order, in a Flower ArrayRecord;
+* a ConfigRecord naming the base model fingerprint, the head version and the head geometry, so a
+  client whose base differs refuses with a clear error instead of training nonsense;
+* `validate_update` / `validate_masked` / `validate_metrics`: the checks the server applies to every
+  reply before it can touch the aggregate (shapes, NaN/Inf, value range), returning a one-line
+  reason instead of raising, so one bad client never stops a round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+
+from common.base import BaseModel, FedLookaheadError
+from common.heads import DraftHeads, HeadsConfig
+
+# ConfigRecord keys (kebab-case like Flower's own run-config keys)
+FINGERPRINT = "base-fingerprint"
+VERSION = "head-version"
+NUM_HEADS = "num-heads"
+HIDDEN = "hidden-size"
+VOCAB = "vocab-size"
+NAMES = "param-names"
+
+HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages
+HEADS_CONFIG_RECORD = "heads-config"  # ConfigRecord name in native (evaluate) messages
+
+
+class BaseMismatchError(FedLookaheadError):
+    """The heads on offer were trained for another base model."""
+
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def expected_shapes(heads: DraftHeads) -> Shapes:
+    """(name, shape) of every head parameter, in the order they travel."""
+    return [(name, tuple(t.shape)) for name, t in heads.state_dict().items()]
+
+
+def heads_to_ndarrays(heads: DraftHeads) -> list[np.ndarray]:
+    return [t.detach().float().cpu().numpy().copy() for t in heads.state_dict().values()]
+
+
+def load_ndarrays(heads: DraftHeads, arrays: list[np.ndarray]) -> None:
+    """Load arrays (in `expected_shapes` order) into `heads`, after the same checks the server makes."""
+    shapes = expected_shapes(heads)
+    reason = validate_update(arrays, shapes, bound=None)
+    if reason:
+        raise FedLookaheadError(f"bad head parameters: {reason}")
+    heads.load_state_dict_checked(
+        OrderedDict((name, torch.from_numpy(np.asarray(a, dtype=np.float32))) for (name, _), a in zip(shapes, arrays))
+    )
+
+
+def heads_config_dict(heads: DraftHeads) -> dict[str, Any]:
+    """Scalars describing `heads` (ConfigRecord- and legacy-FitIns-config-compatible)."""
+    cfg = heads.config
+    return {
+        FINGERPRINT: cfg.base_fingerprint,
+        VERSION: int(cfg.version),
+        NUM_HEADS: int(cfg.num_heads),
+        HIDDEN: int(cfg.hidden_size),
+        VOCAB: int(cfg.vocab_size),
+        NAMES: ",".join(heads.state_dict().keys()),
+    }
+
+
+def heads_records(heads: DraftHeads, **extra: Any) -> tuple[ArrayRecord, ConfigRecord]:
+    """The ArrayRecord of head weights (named, float32) and its ConfigRecord."""
+    state = OrderedDict((k, v.detach().float().cpu()) for k, v in heads.state_dict().items())
+    return ArrayRecord(state), ConfigRecord({**heads_config_dict(heads), **extra})
+
+
+def check_base(config: Mapping[str, Any], base: BaseModel) -> None:
+    """Refuse heads made for another base model, with a one-line error naming both."""
+    theirs = config.get(FINGERPRINT)
+    if theirs != base.fingerprint:
+        raise BaseMismatchError(
+            f"base model mismatch: the server's heads are for base {theirs}, but this client's base "
+            f"{base.path} has fingerprint {base.fingerprint}; install the same base model on this device"
+        )
+    if (config.get(HIDDEN), config.get(VOCAB)) != (base.hidden_size, base.vocab_size):
+        raise BaseMismatchError(
+            f"heads geometry {config.get(HIDDEN)}/{config.get(VOCAB)} does not fit base "
+            f"{base.hidden_size}/{base.vocab_size}"
+        )
+
+
+def heads_from_config(config: Mapping[str, Any], base: BaseModel) -> DraftHeads:
+    """Empty heads with the geometry and version the server announced (after `check_base`)."""
+    check_base(config, base)
+    heads = DraftHeads(
+        HeadsConfig(int(config[NUM_HEADS]), base.hidden_size, base.vocab_size, base.fingerprint, int(config[VERSION])),
+        base,
+    )
+    names = str(config.get(NAMES, ""))
+    if names and names.split(",") != list(heads.state_dict().keys()):
+        raise FedLookaheadError("the server's head parameter names differ from this client's head layout")
+    return heads
+
+
+def heads_from_records(arrays: ArrayRecord, config: ConfigRecord, base: BaseModel) -> DraftHeads:
+    """Heads from a native message (evaluate): check the base, then load the named tensors."""
+    heads = heads_from_config(config, base)
+    state = arrays.to_torch_state_dict()
+    reason = validate_update([v.numpy() for v in state.values()], expected_shapes(heads), bound=None,
+                             names=list(state.keys()))
+    if reason:
+        raise FedLookaheadError(f"bad head parameters from the server: {reason}")
+    heads.load_state_dict_checked(state)
+    return heads
+
+
+def validate_update(
+    arrays: list[np.ndarray], shapes: Shapes, bound: float | None, names: list[str] | None = None
+) -> str | None:
+    """None if `arrays` is a well-formed set of head weights, else the reason it is not.
+
+    Checks, in order: the number of arrays, names (when given), a floating dtype, each shape, that
+    every value is finite, and (with `bound`) that |value| <= bound, the SecAgg+ clipping range
+    beyond which the secure sum would silently clip.
+    """
+    if len(arrays) != len(shapes):
+        return f"wrong number of arrays: got {len(arrays)}, expected {len(shapes)}"
+    if names is not None and names != [n for n, _ in shapes]:
+        return "wrong parameter names"
+    for (name, shape), array in zip(shapes, arrays):
+        array = np.asarray(array)
+        if not np.issubdtype(array.dtype, np.floating):
+            return f"{name} has dtype {array.dtype}, expected floating point"
+        if tuple(array.shape) != tuple(shape):
+            return f"wrong shape: {name} is {tuple(array.shape)}, expected {tuple(shape)}"
+        if not np.isfinite(array).all():
+            return f"non-finite values (NaN/Inf) in {name}"
+        if bound is not None:
+            peak = float(np.abs(array).max()) if array.size else 0.0
+            if peak > bound:
+                return f"out-of-range values in {name}: max |x| = {peak:.3g} > {bound:g}"
+    return None
+
+
+def validate_masked(arrays: list[np.ndarray], shapes: Shapes, mod_range: int) -> str | None:
+    """Checks on a SecAgg+ masked vector: [weight factor (1,)] + one integer array per head parameter.
+
+    The server cannot see the values behind the masks (that is the point of SecAgg+), so this only
+    catches what would break or corrupt the sum: wrong count or shapes, non-integer data, entries
+    outside [0, modulus).
+    """
+    if len(arrays) != len(shapes) + 1:
+        return f"wrong number of masked arrays: got {len(arrays)}, expected {len(shapes) + 1}"
+    for (name, shape), array in zip([("weight-factor", (1,))] + shapes, arrays):
+        array = np.asarray(array)
+        if not np.issubdtype(array.dtype, np.integer):
+            return f"masked {name} has dtype {array.dtype}, expected integers"
+        if tuple(array.shape) != tuple(shape):
+            return f"wrong shape: masked {name} is {tuple(array.shape)}, expected {tuple(shape)}"
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= mod_range):
+            return f"out-of-range values in masked {name}: outside [0, {mod_range})"
+    return None
+
+
+def validate_metrics(metrics: Mapping[str, Any]) -> str | None:
+    """Client-reported numbers must be finite, and epsilon / accuracies / counts in range."""
+    for key, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
+                if key == "epsilon" and v == math.inf:
+                    continue  # no DP: unbounded epsilon is honest
+                return f"non-finite metric {key}={v}"
+    for key, value in metrics.items():
+        if key.startswith("acc-") and isinstance(value, (int, float)) and not 0 <= value <= 1:
+            return f"out-of-range metric {key}={value}"
+        if key in ("epsilon", "loss", "num-train-chunks") and isinstance(value, (int, float)) and value < 0:
+            return f"out-of-range metric {key}={value}"
+    return None

@@ -1,0 +1,209 @@
+"""Federated building blocks without a federation: config, wire format and checks, DP accounting, clipping, budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from opacus import PrivacyEngine
+from opacus.accountants import RDPAccountant
+
+from client.client_app import train_handler
+from client.privacy import PrivacyState, epsilon_of, load_state, save_state
+from client.task import PackagePartitioner
+from common.base import FedLookaheadError
+from common.data import stdlib_dir
+from common.fedconfig import DEFAULTS, FedConfig
+from common.heads import DraftHeads
+from common.params import (
+    BaseMismatchError,
+    check_base,
+    expected_shapes,
+    heads_config_dict,
+    heads_from_records,
+    heads_records,
+    heads_to_ndarrays,
+    load_ndarrays,
+    validate_masked,
+    validate_metrics,
+    validate_update,
+)
+from common.training import chunk_loader, heads_loss, targets_and_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_run_config_matches_defaults():
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert table == DEFAULTS
+    assert "federations" not in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]
+
+
+def test_config_rejects_unknown_keys_and_impossible_minimums():
+    with pytest.raises(FedLookaheadError, match="unknown run-config"):
+        FedConfig.from_mapping({"num-rounds": 3})
+    with pytest.raises(FedLookaheadError, match="min-train-clients"):
+        FedConfig.from_mapping({"min-train-clients": 5, "min-available-clients": 3})
+    with pytest.raises(FedLookaheadError, match="below secagg-num-shares"):
+        FedConfig.from_mapping({"secagg-num-shares": 4, "secagg-reconstruction-threshold": 4})
+    device = FedConfig.from_mapping({}, {"dp-target-epsilon": 2.0, "partition-id": 3})
+    assert device.dp_target_epsilon == 2.0  # a device may be stricter than the run
+
+
+def test_heads_roundtrip_and_base_check(tiny_base):
+    heads = DraftHeads.fresh(tiny_base, 2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    arrays, config = heads_records(heads)
+    again = heads_from_records(arrays, config, tiny_base)
+    for a, b in zip(heads_to_ndarrays(heads), heads_to_ndarrays(again)):
+        np.testing.assert_array_equal(a, b)
+    other = dict(heads_config_dict(heads), **{"base-fingerprint": "0123456789abcdef"})
+    with pytest.raises(BaseMismatchError, match="base model mismatch.*0123456789abcdef"):
+        check_base(other, tiny_base)
+
+
+def test_validation_names_the_problem(tiny_base):
+    heads = DraftHeads.fresh(tiny_base, 2)
+    shapes = expected_shapes(heads)
+    good = heads_to_ndarrays(heads)
+    assert validate_update(good, shapes, bound=8.0) is None
+    nan = [a.copy() for a in good]
+    nan[1][0] = np.nan
+    assert "non-finite" in validate_update(nan, shapes, 8.0)
+    inf = [a.copy() for a in good]
+    inf[0][0, 0] = np.inf
+    assert "non-finite" in validate_update(inf, shapes, 8.0)
+    big = [a.copy() for a in good]
+    big[2][0, 0] = 100.0
+    assert "out-of-range" in validate_update(big, shapes, 8.0)
+    assert "wrong shape" in validate_update([good[0][:-1]] + good[1:], shapes, 8.0)
+    assert "wrong number" in validate_update(good[:-1], shapes, 8.0)
+    assert "dtype" in validate_update([good[0].astype(np.int64)] + good[1:], shapes, 8.0)
+    masked = [np.array([5])] + [np.zeros(s, dtype=np.int64) for _, s in shapes]
+    assert validate_masked(masked, shapes, 2**32) is None
+    assert "out-of-range" in validate_masked([np.array([-1])] + masked[1:], shapes, 2**32)
+    assert "wrong shape" in validate_masked(masked[:1] + [np.zeros((3, 3), dtype=np.int64)] + masked[2:], shapes, 2**32)
+    assert "integers" in validate_masked(masked[:1] + [m.astype(np.float32) for m in masked[1:]], shapes, 2**32)
+    assert validate_metrics({"epsilon": math.inf, "loss": 1.0}) is None  # no DP is honest
+    assert "non-finite" in validate_metrics({"loss": float("nan")})
+    assert "out-of-range" in validate_metrics({"acc-1": 1.5})
+    with pytest.raises(FedLookaheadError, match="non-finite"):
+        load_ndarrays(heads, nan)
+
+
+def test_restored_accountant_equals_a_continuous_one(tmp_path):
+    """Opacus golden: sigma 1, q 0.05, 10 rounds x 20 steps, delta 1e-5 -> eps 5.37 (summing rounds gives 24.8)."""
+    continuous = RDPAccountant()
+    path = tmp_path / "privacy-run.json"
+    for round_ in range(10):
+        context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+        state = load_state(context, path, "run")  # a fresh process each round: only the disk copy survives
+        assert sum(n for _, _, n in state.history) == 20 * round_
+        engine = PrivacyEngine(accountant="rdp")
+        engine.accountant.history = list(state.history)
+        for _ in range(20):
+            engine.accountant.step(noise_multiplier=1.0, sample_rate=0.05)
+            continuous.step(noise_multiplier=1.0, sample_rate=0.05)
+        state.history = [tuple(h) for h in engine.accountant.history]  # what client.privacy.train_round keeps
+        state.noise_multiplier = 1.0
+        save_state(context, path, state)
+        restored = PrivacyState.from_record(context.state.config_records["fedla-privacy"])
+        assert restored.history == state.history
+    final = load_state(Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}), path, "run")
+    expected = continuous.get_epsilon(1e-5)
+    assert expected == pytest.approx(5.37, abs=0.01)
+    assert epsilon_of(final.history, 1e-5) == pytest.approx(expected, rel=1e-9)
+    fresh_engine = PrivacyEngine(accountant="rdp")
+    fresh_engine.accountant.history = list(final.history)
+    assert fresh_engine.accountant.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    naive = sum(epsilon_of([(1.0, 0.05, 20)], 1e-5) for _ in range(10))
+    assert naive == pytest.approx(24.8, abs=0.1)  # what a fresh PrivacyEngine per round would (wrongly) add up to
+    assert sum(n for _, _, n in json.loads(path.read_text())["history"]) == 200
+
+
+def test_per_sample_clipping_bound(tiny_base):
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    chunks = torch.randint(0, tiny_base.vocab_size, (12, 16))
+    optimizer = torch.optim.SGD(heads.parameters(), lr=0.1)
+    engine = PrivacyEngine(accountant="rdp")
+    clip = 0.05
+    module, dp_optimizer, _ = engine.make_private(module=heads, optimizer=optimizer,
+                                                   data_loader=chunk_loader(chunks, 4, False),
+                                                   noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=True)
+    hidden, targets = targets_and_inputs(tiny_base, chunks, distill=True)
+    heads_loss(module, hidden, targets).backward()
+    params = [p for p in heads.parameters() if p.requires_grad]
+    per_sample = torch.cat([p.grad_sample.reshape(len(chunks), -1) for p in params], dim=1)
+    norms = per_sample.norm(dim=1)
+    assert (norms > clip).all()  # the bound actually binds in this test
+    dp_optimizer.clip_and_accumulate()
+    summed = torch.cat([p.summed_grad.reshape(-1) for p in params])
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    expected = (per_sample * factors[:, None]).sum(0)
+    torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-7)
+    assert ((per_sample * factors[:, None]).norm(dim=1) <= clip * (1 + 1e-5)).all()
+    assert "embed" not in dict(heads.named_modules()) and len(list(heads.parameters())) == len(params)
+    module._close()
+
+
+def _client_context(tiny_base_dir, **overrides) -> Context:
+    run_config = {"base-model-dir": str(tiny_base_dir), "chunk-len": 32, "max-chunks-per-client": 12,
+                  "num-heads": 2, "batch-size": 4, "num-server-rounds": 2, "dp-target-epsilon": 8.0,
+                  "data-source": str(stdlib_dir() / "json"), **overrides}
+    return Context(run_id=7, node_id=3, node_config={"partition-id": 0, "num-partitions": 1},
+                   state=RecordDict(), run_config=run_config)
+
+
+def test_client_past_its_budget_does_not_train(tiny_base, tiny_base_dir):
+    context = _client_context(tiny_base_dir)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    fit_config = {**heads_config_dict(heads), "fedla-run-id": "budget-test", "server-round": 1}
+    arrays = heads_to_ndarrays(heads)
+    eps = []
+    for _ in range(2):  # the planned rounds: train, within budget
+        res = train_handler(fit_config, arrays, context)
+        assert res.metrics["skipped"] == 0 and res.num_examples > 0
+        eps.append(res.metrics["epsilon"])
+    assert eps[0] < eps[1] <= 8.0
+    assert eps[1] > 7.0  # sigma was calibrated for exactly the planned rounds
+    res = train_handler(fit_config, arrays, context)  # a third round would exceed epsilon 8
+    assert res.metrics["skipped"] == 1 and res.num_examples == 0
+    assert "privacy budget" in res.metrics["skip-reason"]
+    assert res.metrics["epsilon"] == pytest.approx(eps[1])
+    from flwr.common import parameters_to_ndarrays
+
+    for sent, original in zip(parameters_to_ndarrays(res.parameters), arrays):
+        np.testing.assert_array_equal(sent, original)  # nothing learned from its data is sent
+
+
+def test_client_refuses_another_base(tiny_base, tiny_base_dir):
+    context = _client_context(tiny_base_dir)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    fit_config = {**heads_config_dict(heads), "base-fingerprint": "feedfacefeedface"}
+    with pytest.raises(BaseMismatchError, match="base model mismatch"):
+        train_handler(fit_config, heads_to_ndarrays(heads), context)
+
+
+def test_package_partitioner_keeps_packages_whole():
+    import datasets
+
+    groups = ["a"] * 5 + ["b"] * 3 + ["c"] * 3 + ["d"] * 1
+    partitioner = PackagePartitioner(2)
+    partitioner.dataset = datasets.Dataset.from_dict({"idx": list(range(len(groups))), "group": groups})
+    parts = [set(partitioner.load_partition(p)["group"]) for p in range(2)]
+    assert parts[0].isdisjoint(parts[1]) and parts[0] | parts[1] == {"a", "b", "c", "d"}
+    sizes = [len(partitioner.load_partition(p)) for p in range(2)]
+    assert sorted(sizes) == [6, 6]
+    with pytest.raises(FedLookaheadError, match="at least one package per client"):
+        too_many = PackagePartitioner(5)
+        too_many.dataset = partitioner.dataset
+        too_many.load_partition(0)
