@@ -1,0 +1,662 @@
+"""The federated loop behind the ServerApp: FedAvg of draft heads through SecAgg+, guarded and recorded.
+
+Flower 1.42 offers SecAgg+ only in its legacy workflow API (`flwr.server.workflow.SecAggPlusWorkflow`
+with a `LegacyContext` and a legacy `Strategy`); the new `flwr.serverapp.strategy` classes have no
+secure aggregation. So each round runs Flower's own `SecAggPlusWorkflow` (or, with secagg=false,
+`default_fit_workflow`) as the fit step, while this module owns the loop around it (instead of
+`DefaultWorkflow`), which is what makes resuming from a checkpoint, per-round server evaluation,
+a client evaluation round pushing the new heads, checkpoints and the run store possible.
+
+Guarding replies: `GuardedGrid` sits between the workflows and the real Grid. Every train reply is
+checked before a workflow can use it (common.params): under SecAgg+ the masked vector's count,
+shapes, integer type and modulus range, plus the plaintext metrics; in plain FedAvg the weights'
+shapes, NaN/Inf and the range. A bad reply is turned into an error reply and counted as rejected
+with its reason; SecAgg+ then treats that client as dropped (its masks are removed with the other
+clients' key shares), so the round goes on. The aggregate itself is checked again before it becomes
+the global heads.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    bytes_to_ndarray,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey
+from flwr.server.client_manager import ClientManager, SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.compat.app_utils import start_update_client_manager_thread
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.server_config import ServerConfig
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
+from flwr.server.workflow.default_workflows import default_fit_workflow
+from flwr.serverapp.grid import Grid
+
+from common.base import BaseModel, FedLookaheadError, load_base
+from common.data import chunk_files, prompts_from_files, stdlib_files
+from common.default_model import ensure_default_base
+from common.fedconfig import FedConfig, secagg_shares_and_threshold
+from common.fedeval import decode_tau
+from common.heads import WEIGHTS_FILE, DraftHeads
+from common.params import (
+    HEADS_CONFIG_RECORD,
+    HEADS_RECORD,
+    expected_shapes,
+    heads_config_dict,
+    heads_records,
+    heads_to_ndarrays,
+    load_ndarrays,
+    validate_masked,
+    validate_metrics,
+    validate_update,
+)
+from common.training import evaluate_heads
+
+log = logging.getLogger("fedla.server")
+
+REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own codes are small integers)
+ROUND_KEY = "server-round"
+RUN_KEY = "fedla-run-id"
+FAIL_KEY = "simulate-failure"
+
+
+# ------------------------------------------------------------------------------------------ round log
+
+
+@dataclass
+class RoundLog:
+    """What happened to one round's train exchange, filled in by the strategy and the guarded grid."""
+
+    sampled: list[int] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)  # node -> error reason (dropouts, refusals)
+    rejected: list[dict] = field(default_factory=list)  # {"node": id, "reason": str}
+    client_metrics: dict[int, dict] = field(default_factory=dict)  # node -> plaintext FitRes metrics
+    weights: dict[int, int] = field(default_factory=dict)
+    bytes_down: list[int] = field(default_factory=list)
+    bytes_up: list[int] = field(default_factory=list)
+    aggregated: bool = False
+    aggregate_note: str = ""
+    induced_failures: list[int] = field(default_factory=list)
+
+
+def _array_record_bytes(record) -> int:
+    return sum(len(array.data) for array in record.values())
+
+
+class GuardedGrid(Grid):
+    """A Grid that validates train replies before the workflow sees them, and counts bytes.
+
+    Everything else is delegated to the wrapped grid.
+    """
+
+    def __init__(self, grid: Grid, config: FedConfig, default_timeout: float | None) -> None:
+        self._grid = grid
+        self._config = config
+        self.default_timeout = default_timeout
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+        self.round_log = RoundLog()
+
+    # -- delegation
+    def set_run(self, run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, *args, **kwargs):
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    # -- guarded exchange
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        for msg in messages:
+            if msg.metadata.message_type == MessageType.TRAIN and "fitins.parameters" in msg.content.array_records:
+                self.round_log.bytes_down.append(_array_record_bytes(msg.content.array_records["fitins.parameters"]))
+        wanted = {m.metadata.dst_node_id for m in messages}
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout if timeout is not None else self.default_timeout))
+        answered = {r.metadata.src_node_id for r in replies}
+        is_train = bool(messages) and messages[0].metadata.message_type == MessageType.TRAIN
+        if is_train:
+            for node in wanted - answered:
+                self.round_log.failures.setdefault(node, "no reply before the timeout")
+        return [self._check(r) if is_train else r for r in replies]
+
+    def _check(self, reply: Message) -> Message:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            self.round_log.failures[node] = _short(reply.error.reason or f"error code {reply.error.code}")
+            return reply
+        content = reply.content
+        reason = None
+        secagg_cfg = content.config_records.get(RECORD_KEY_CONFIGS)
+        if secagg_cfg is not None and SecAggKey.MASKED_PARAMETERS in secagg_cfg:
+            payload = list(secagg_cfg[SecAggKey.MASKED_PARAMETERS])
+            self.round_log.bytes_up.append(sum(len(b) for b in payload))
+            try:
+                arrays = [bytes_to_ndarray(b) for b in payload]
+            except Exception as exc:  # noqa: BLE001 - anything undecodable is a malformed reply
+                reason = f"undecodable masked vector ({type(exc).__name__})"
+            else:
+                reason = validate_masked(arrays, self.shapes, _MOD_RANGE)
+            reason = reason or self._check_fitres_metrics(content)
+        elif "fitres.parameters" in content.array_records and not self._config.secagg:
+            self.round_log.bytes_up.append(_array_record_bytes(content.array_records["fitres.parameters"]))
+            try:
+                fitres = compat.recorddict_to_fitres(content, keep_input=True)
+                arrays = parameters_to_ndarrays(fitres.parameters)
+            except Exception as exc:  # noqa: BLE001
+                reason = f"undecodable reply ({type(exc).__name__})"
+            else:
+                if fitres.num_examples < 0:
+                    reason = f"negative weight {fitres.num_examples}"
+                else:
+                    reason = validate_update(arrays, self.shapes, self._config.secagg_clipping_range)
+                reason = reason or self._check_fitres_metrics(content)
+        if reason is None:
+            return reply
+        log.warning("rejected the reply of node %s: %s", node, reason)
+        self.round_log.rejected.append({"node": node, "reason": reason})
+        return Message(metadata=copy.copy(reply.metadata), error=Error(code=REJECTED_CODE, reason=f"rejected: {reason}"))
+
+    @staticmethod
+    def _check_fitres_metrics(content: RecordDict) -> str | None:
+        metrics = content.config_records.get("fitres.metrics")
+        if metrics is None:
+            return "reply has no metrics"
+        return validate_metrics(dict(metrics))
+
+
+_MOD_RANGE = 4294967296  # SecAggPlusWorkflow's modulus_range (its default; we never change it)
+
+
+def _short(reason: str, limit: int = 300) -> str:
+    """The last line of a reason (Flower wraps client exceptions in a repr and a traceback)."""
+    lines = [line for line in str(reason).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else str(reason))[:limit]
+
+
+# ------------------------------------------------------------------------------------------ strategy
+
+
+class HeadsStrategy(Strategy):
+    """FedAvg of head weights, weighted by (capped) train chunks; zero-weight (budget-skipped) replies add nothing.
+
+    Under SecAgg+ the workflow has already computed the weighted mean: every result carries it, and
+    this strategy only records the plaintext metrics. In plain mode it computes the mean itself.
+    """
+
+    def __init__(self, config: FedConfig, grid: GuardedGrid, fit_config: dict[str, Any]) -> None:
+        self.config = config
+        self.grid = grid
+        self.fit_config = fit_config
+        self.rng = random.Random(config.seed)
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
+        available = client_manager.num_available()
+        wanted = min(self.config.clients_this_round(available), available)
+        clients = client_manager.sample(num_clients=wanted, min_num_clients=self.config.min_available_clients)
+        log_ = self.grid.round_log
+        log_.sampled = [c.node_id for c in clients]
+        failing: set[int] = set()
+        if self.config.dropout_rate > 0:  # simulation: exactly this share of the sampled clients crashes
+            count = int(round(self.config.dropout_rate * len(clients)))
+            failing = {c.node_id for c in self.rng.sample(clients, count)}
+            log_.induced_failures = sorted(failing)
+        instructions = []
+        for client in clients:
+            config = dict(self.fit_config, **{ROUND_KEY: server_round})
+            if client.node_id in failing:
+                config[FAIL_KEY] = True
+            instructions.append((client, FitIns(parameters, config)))
+        return instructions
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures):
+        log_ = self.grid.round_log
+        for proxy, res in results:
+            log_.client_metrics[proxy.node_id] = dict(res.metrics)
+            log_.weights[proxy.node_id] = int(res.num_examples)
+        total = sum(res.num_examples for _, res in results)
+        if not results:
+            log_.aggregate_note = "no client result to aggregate"
+            return None, {}
+        if total <= 0:
+            log_.aggregate_note = "every client skipped training (privacy budget): heads unchanged"
+            return None, {}
+        if self.config.secagg:
+            arrays = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
+        else:
+            arrays = _weighted_mean(results, total)
+        reason = validate_update([np.asarray(a, dtype=np.float32) for a in arrays], self.grid.shapes,
+                                 self.config.secagg_clipping_range * (1 + 1e-6))
+        if reason:
+            log.error("round %s: aggregate rejected, heads unchanged: %s", server_round, reason)
+            log_.aggregate_note = f"aggregate rejected: {reason}"
+            return None, {}
+        log_.aggregated = True
+        return ndarrays_to_parameters([np.asarray(a, dtype=np.float32) for a in arrays]), {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []  # client evaluation is sent by the loop (native messages), not by a legacy workflow
+
+    def aggregate_evaluate(self, server_round, results: list[tuple[ClientProxy, EvaluateRes]], failures):
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters):
+        return None  # the loop evaluates centrally itself, with the decoder
+
+
+def _weighted_mean(results: list[tuple[ClientProxy, FitRes]], total: int) -> list[np.ndarray]:
+    per_client = [(parameters_to_ndarrays(res.parameters), res.num_examples) for _, res in results if res.num_examples]
+    out = []
+    for index in range(len(per_client[0][0])):
+        acc = np.zeros(per_client[0][0][index].shape, dtype=np.float64)
+        for arrays, weight in per_client:
+            acc += arrays[index].astype(np.float64) * (weight / total)
+        out.append(acc.astype(np.float32))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ run setup
+
+
+def wait_for_nodes(grid: Grid, config: FedConfig) -> list[int]:
+    """Node ids once min-available-clients are connected; a clear error instead of Flower's silent wait."""
+    deadline = time.monotonic() + config.node_wait_seconds
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= config.min_available_clients or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if len(nodes) < config.min_available_clients:
+        raise FedLookaheadError(
+            f"only {len(nodes)} node(s) connected after {config.node_wait_seconds:g}s but min-available-clients is "
+            f"{config.min_available_clients}: the strategy would wait forever (start more SuperNodes, or lower it)"
+        )
+    return nodes
+
+
+def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
+    """Up-front checks that Flower itself does not make (its strategies hang or abort mid-run instead)."""
+    if config.min_train_clients > num_nodes:
+        raise FedLookaheadError(
+            f"min-train-clients ({config.min_train_clients}) exceeds the {num_nodes} connected node(s): "
+            "the round would wait forever"
+        )
+    if config.clients_per_round > num_nodes:
+        raise FedLookaheadError(f"clients-per-round ({config.clients_per_round}) exceeds the {num_nodes} node(s)")
+    sampled = min(config.clients_this_round(num_nodes), num_nodes)
+    info: dict[str, Any] = {"nodes": num_nodes, "clients_per_round": sampled}
+    if config.secagg:
+        if sampled < 2:
+            raise FedLookaheadError("SecAgg+ needs at least 2 clients per round (Flower aborts with fewer)")
+        shares, threshold = secagg_shares_and_threshold(config, sampled)
+        neighbours = min(shares, sampled)
+        if threshold > neighbours:
+            raise FedLookaheadError(
+                f"SecAgg+ threshold {threshold} exceeds the {neighbours} neighbours each client has "
+                f"({sampled} clients per round, {shares} shares): every round would abort"
+            )
+        tolerated = neighbours - threshold
+        info.update(num_shares=shares, threshold=threshold, tolerated_dropouts=tolerated)
+        planned_drops = int(round(config.dropout_rate * sampled))
+        if planned_drops > tolerated:
+            log.warning("dropout-rate %.2f drops %d of %d clients, more than the %d SecAgg+ tolerates: "
+                        "those rounds will abort", config.dropout_rate, planned_drops, sampled, tolerated)
+    return info
+
+
+def server_base(config: FedConfig) -> BaseModel:
+    path = Path(config.base_model_dir).expanduser() if config.base_model_dir else ensure_default_base()
+    return load_base(path, device=config.device)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    found = []
+    for path in (run_dir / "checkpoints").glob("round-*"):
+        suffix = path.name.removeprefix("round-")
+        if suffix.isdigit() and (path / WEIGHTS_FILE).is_file():
+            found.append((int(suffix), path))
+    return max(found) if found else None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class ServerEval:
+    chunks: torch.Tensor
+    prompts: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, base: BaseModel, config: FedConfig) -> ServerEval:
+        """The server's public evaluation split: stdlib held-out files (never in any client's data)."""
+        files = stdlib_files("heldout")
+        random.Random(config.seed).shuffle(files)
+        parts, have = [], 0
+        for start in range(0, len(files), 16):  # tokenise only as many files as the sample needs
+            if have >= 4 * config.server_eval_chunks:
+                break
+            block = chunk_files(files[start : start + 16], base.tokenizer, config.chunk_len)
+            parts.append(block)
+            have += len(block)
+        chunks = torch.cat(parts) if parts else torch.empty(0, config.chunk_len, dtype=torch.long)
+        order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(config.seed))
+        prompts = prompts_from_files(files, base.tokenizer, config.eval_prompts, config.eval_prompt_len)
+        return cls(chunks[order[: config.server_eval_chunks]], prompts)
+
+    def run(self, heads: DraftHeads, base: BaseModel, config: FedConfig) -> dict[str, Any]:
+        summary = evaluate_heads(heads, base, self.chunks, batch_size=config.batch_size) if len(self.chunks) else \
+            {"loss": 0.0, "head_accuracy": [0.0] * heads.num_heads}
+        tau = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens)
+        return {"loss": float(summary["loss"]), "head_accuracy": [float(a) for a in summary["head_accuracy"]], "tau": tau}
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_round: int,
+                      nodes: list[int], rng: random.Random) -> dict[str, Any]:
+    """Push the global heads to a sample of clients (native ArrayRecord + ConfigRecord) and average their eval."""
+    if config.fraction_evaluate <= 0 or not nodes:
+        return {"evaluated": 0}
+    count = max(1, int(math.ceil(config.fraction_evaluate * len(nodes))))
+    targets = sorted(rng.sample(nodes, min(count, len(nodes))))
+    arrays, cfg = heads_records(heads, **{ROUND_KEY: server_round})
+    messages = [
+        Message(RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: copy.deepcopy(cfg)}),
+                dst_node_id=node, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}")
+        for node in targets
+    ]
+    push_bytes = _array_record_bytes(arrays)
+    timeout = config.round_timeout or None
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    accuracy_sum = np.zeros(heads.num_heads)
+    examples = 0
+    taus: list[float] = []
+    rejected, failed = [], 0
+    for reply in replies:
+        if reply.has_error():
+            failed += 1
+            continue
+        metrics = dict(reply.content.metric_records.get("metrics", {}))
+        reason = validate_metrics({f"acc-{i}": a for i, a in enumerate(metrics.get("head-accuracy", []))} | metrics)
+        accuracy = list(metrics.get("head-accuracy", []))
+        if reason is None and accuracy and len(accuracy) != heads.num_heads:
+            reason = f"{len(accuracy)} head accuracies for {heads.num_heads} heads"
+        if reason:
+            rejected.append(reason)
+            log.warning("rejected evaluation reply of node %s: %s", reply.metadata.src_node_id, reason)
+            continue
+        n = int(metrics.get("num-examples", 0))
+        if n and accuracy:
+            accuracy_sum += np.asarray(accuracy) * n
+            examples += n
+        if metrics.get("tau") is not None:
+            taus.append(float(metrics["tau"]))
+    return {
+        "evaluated": len(replies) - failed - len(rejected),
+        "failed": failed + (len(targets) - len(replies)),
+        "rejected": rejected,
+        "head_accuracy": (accuracy_sum / examples).tolist() if examples else None,
+        "tau": sum(taus) / len(taus) if taus else None,
+        "push_bytes_per_client": push_bytes,
+    }
+
+
+def run_federation(grid: Grid, context: Context, config: FedConfig, store_factory=None) -> Path:
+    """The whole federated run; returns runs/<run-id>. Raises (after marking the run failed) on fatal errors."""
+    from server.store import RunStore  # the run store (written by the store/dashboard side)
+
+    base = server_base(config)
+    run_root = Path(config.run_dir).expanduser().resolve()
+    start_round = 1
+    if config.resume_from:
+        run_dir = Path(config.resume_from).expanduser().resolve()
+        if not run_dir.is_dir():
+            raise FedLookaheadError(f"resume-from: no run folder {run_dir}")
+        run_id = run_dir.name
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise FedLookaheadError(f"resume-from: no checkpoint under {run_dir / 'checkpoints'}")
+        last_round, ckpt = found
+        heads = DraftHeads.load(ckpt, base)  # refuses a checkpoint for another base
+        start_round = last_round + 1
+        log.info("resuming run %s after round %d (head version %d)", run_id, last_round, heads.config.version)
+    else:
+        run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
+        run_dir = run_root / run_id
+        heads = DraftHeads.load(config.init_heads, base) if config.init_heads else DraftHeads.fresh(base, config.num_heads)
+        if heads.num_heads != config.num_heads:
+            raise FedLookaheadError(f"init-heads has {heads.num_heads} heads but num-heads is {config.num_heads}")
+    (run_dir / "rounds").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    store_url = config.store_url or os.environ.get("FEDLA_DB") or str(run_root / "fedla.db")
+    store = store_factory() if store_factory else RunStore(store_url)
+    secagg_info = {"enabled": config.secagg, "num_shares": config.secagg_num_shares,
+                   "reconstruction_threshold": config.secagg_reconstruction_threshold,
+                   "clipping_range": config.secagg_clipping_range,
+                   "quantization_range": config.secagg_quantization_range,
+                   "max_weight": config.secagg_max_weight}
+    store.start_run(run_id, _jsonable(config.to_dict()), secagg_info)
+    guarded = GuardedGrid(grid, config, default_timeout=config.round_timeout or None)
+    stop = None
+    try:
+        nodes = wait_for_nodes(grid, config)
+        plan = check_federation(config, len(nodes))
+        log.info("run %s: %d nodes, plan %s, %d head parameters, base %s", run_id, len(nodes), plan,
+                 heads.num_trainable(), base.fingerprint)
+        (run_dir / "run.json").write_text(json.dumps(_jsonable({
+            "run_id": run_id, "flower_run_id": context.run_id, "config": config.to_dict(), "plan": plan,
+            "base_fingerprint": base.fingerprint, "base_dir": str(base.path),
+            "head_parameters": heads.num_trainable(), "head_bytes": sum(a.nbytes for a in heads_to_ndarrays(heads)),
+            "resumed_from_round": start_round - 1}), indent=2))
+        server_eval = ServerEval.build(base, config)
+        guarded.shapes = expected_shapes(heads)
+        client_manager = SimpleClientManager()
+        thread, stop, ready = start_update_client_manager_thread(guarded, client_manager)
+        ready.wait()
+        fit_config = {**heads_config_dict(heads), RUN_KEY: run_id}
+        strategy = HeadsStrategy(config, guarded, fit_config)
+        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=config.num_server_rounds),
+                               strategy=strategy, client_manager=client_manager)
+        workflow = None
+        if config.secagg:
+            workflow = SecAggPlusWorkflow(
+                num_shares=config.secagg_num_shares, reconstruction_threshold=config.secagg_reconstruction_threshold,
+                max_weight=config.secagg_max_weight, clipping_range=config.secagg_clipping_range,
+                quantization_range=config.secagg_quantization_range, timeout=config.round_timeout or None)
+        eval_rng = random.Random(config.seed + 1)
+        client_eps: dict[int, float] = {}
+        for server_round in range(start_round, config.num_server_rounds + 1):
+            started = time.perf_counter()
+            guarded.round_log = RoundLog()
+            strategy.fit_config = {**heads_config_dict(heads), RUN_KEY: run_id}
+            current = heads_to_ndarrays(heads)
+            legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
+                ndarrays_to_parameters(current), keep_input=True)
+            legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+                {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()})
+            log.info("[ROUND %d/%d] %s", server_round, config.num_server_rounds,
+                     "SecAgg+ FedAvg" if config.secagg else "plain FedAvg")
+            (workflow or default_fit_workflow)(guarded, legacy)
+            fit_seconds = time.perf_counter() - started
+            round_log = guarded.round_log
+            if round_log.aggregated:
+                new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+                load_ndarrays(heads, parameters_to_ndarrays(new))
+                heads.config.version = server_round
+            elif not round_log.aggregate_note:
+                round_log.aggregate_note = ("SecAgg+ aborted: too few clients answered for the reconstruction "
+                                            "threshold" if config.secagg else "no aggregate")
+            if not round_log.aggregated:
+                log.warning("round %d: global heads unchanged (%s)", server_round, round_log.aggregate_note)
+
+            eval_started = time.perf_counter()
+            server_metrics = server_eval.run(heads, base, config)
+            server_eval_seconds = time.perf_counter() - eval_started
+            eval_started = time.perf_counter()
+            client_eval = client_evaluation(guarded, heads, config, server_round, sorted(grid.get_node_ids()), eval_rng)
+            client_eval_seconds = time.perf_counter() - eval_started
+
+            ckpt_dir = heads.save(run_dir / "checkpoints" / f"round-{server_round}")
+            weights_path = ckpt_dir / WEIGHTS_FILE
+            size = sum(p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file())
+            store.record_checkpoint(run_id, server_round, head_version=heads.config.version, path=str(ckpt_dir),
+                                    size_bytes=size, sha256=file_sha256(weights_path))
+
+            record = _round_record(config, server_round, round_log, server_metrics, client_eval, client_eps,
+                                   heads, fit_seconds, server_eval_seconds, client_eval_seconds,
+                                   time.perf_counter() - started)
+            (run_dir / "rounds" / f"round-{server_round}.json").write_text(json.dumps(_jsonable(record), indent=2))
+            store.record_round(run_id, server_round, metrics=record["metrics"],
+                               participation={k: record["participation"][k] for k in ("sampled", "succeeded", "dropped")}
+                               | {"rejected": [{"reason": r["reason"]} for r in round_log.rejected]},
+                               privacy={k: record["privacy"][k] for k in ("epsilon_max", "epsilon_mean", "delta")},
+                               wall_seconds=record["wall_seconds"], bytes_per_client=record["bytes_per_client"])
+            store.write_summary(run_id, run_dir / "summary.json")
+            log.info("round %d: %s", server_round, json.dumps(_jsonable({
+                "tau": record["metrics"]["tau"], "acc": record["metrics"]["head_accuracy"],
+                "train_loss": record["metrics"]["train_loss"], "participation": record["participation"],
+                "eps_max": record["privacy"]["epsilon_max"], "seconds": round(record["wall_seconds"], 1)})))
+        store.finish_run(run_id, "finished")
+        store.write_summary(run_id, run_dir / "summary.json")
+        try:
+            from server.report import plot_run
+
+            plot_run(run_dir)
+        except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
+            log.warning("could not plot %s: %s", run_dir, exc)
+        return run_dir
+    except BaseException:
+        store.finish_run(run_id, "failed")
+        store.write_summary(run_id, run_dir / "summary.json")
+        raise
+    finally:
+        if stop is not None:
+            stop.set()
+        if hasattr(store, "close"):
+            store.close()
+
+
+def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, server_metrics: dict,
+                  client_eval: dict, client_eps: dict[int, float], heads: DraftHeads, fit_seconds: float,
+                  server_eval_seconds: float, client_eval_seconds: float, wall_seconds: float) -> dict[str, Any]:
+    metrics_by_node = round_log.client_metrics
+    trained = {n: m for n, m in metrics_by_node.items() if not m.get("skipped") and "loss" in m}
+    skipped = {n: str(m.get("skip-reason", "")) for n, m in metrics_by_node.items() if m.get("skipped")}
+    for node, m in metrics_by_node.items():
+        if "epsilon" in m:
+            client_eps[node] = float(m["epsilon"])
+    chunks = {n: float(m.get("num-train-chunks", 1)) for n, m in trained.items()}
+    total = sum(chunks.values())
+    if trained and total > 0:
+        train_loss = sum(float(m["loss"]) * chunks[n] for n, m in trained.items()) / total
+        train_acc = [sum(float(m.get(f"acc-{k}", 0.0)) * chunks[n] for n, m in trained.items()) / total
+                     for k in range(1, heads.num_heads + 1)]
+        loss_source = "clients"
+    else:
+        train_loss, train_acc, loss_source = server_metrics["loss"], None, "server-eval (no client trained)"
+    eps_values = list(client_eps.values())
+    if not config.dp:
+        eps_max = eps_mean = math.inf
+    else:
+        eps_max = max(eps_values) if eps_values else 0.0
+        eps_mean = sum(eps_values) / len(eps_values) if eps_values else 0.0
+    sampled = len(round_log.sampled)
+    rejected_nodes = {r["node"] for r in round_log.rejected}
+    succeeded = len(metrics_by_node)  # replies that reached aggregation (none when SecAgg+ aborted)
+    dropped = max(0, sampled - succeeded - len(rejected_nodes))
+    down = round_log.bytes_down
+    up = round_log.bytes_up
+    bytes_down = int(sum(down) / len(down)) if down else 0
+    bytes_up = int(sum(up) / len(up)) if up else 0
+    return {
+        "round": server_round,
+        "head_version": heads.config.version,
+        "aggregated": round_log.aggregated,
+        "aggregate_note": round_log.aggregate_note,
+        "metrics": {
+            "train_loss": float(train_loss),
+            "head_accuracy": server_metrics["head_accuracy"],
+            "tau": server_metrics["tau"],
+            "client_head_accuracy": client_eval.get("head_accuracy"),
+            "client_tau": client_eval.get("tau"),
+        },
+        "train": {"loss_source": loss_source, "head_accuracy": train_acc, "server_eval_loss": server_metrics["loss"]},
+        "participation": {
+            "sampled": sampled, "succeeded": succeeded, "dropped": dropped,
+            "rejected": round_log.rejected, "failures": {str(n): r for n, r in round_log.failures.items()
+                                                          if n not in rejected_nodes},
+            "induced_failures": round_log.induced_failures, "skipped_budget": skipped,
+            "weights": {str(n): w for n, w in round_log.weights.items()},
+        },
+        "client_eval": client_eval,
+        "privacy": {
+            "epsilon_max": eps_max, "epsilon_mean": eps_mean, "delta": config.dp_delta if config.dp else 0.0,
+            "target_epsilon": config.dp_target_epsilon if config.dp else None,
+            "epsilon_this_round": {str(n): float(m["epsilon"]) for n, m in metrics_by_node.items() if "epsilon" in m},
+            "noise_multiplier": sorted({float(m.get("noise-multiplier", 0.0)) for m in metrics_by_node.values()}),
+            "q": sorted({float(m.get("q", 0.0)) for m in metrics_by_node.values()}),
+            "no_amplification_clients": sum(int(m.get("no-amplification", 0)) for m in metrics_by_node.values()),
+        },
+        "bytes_per_client": bytes_down + bytes_up,
+        "bytes": {"down_per_client": bytes_down, "up_per_client": bytes_up,
+                  "eval_push_per_client": client_eval.get("push_bytes_per_client", 0)},
+        "wall_seconds": wall_seconds,
+        "seconds": {"fit": fit_seconds, "server_eval": server_eval_seconds, "client_eval": client_eval_seconds},
+    }

@@ -1,0 +1,25 @@
+"""The FedLookahead ServerApp: `flwr run .` runs it (component `server.server_app:app` in pyproject.toml).
+
+All knobs come from the run config (`[tool.flwr.app.config]` plus `--run-config` overrides); the
+federated loop itself is `server.federation.run_federation`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from common.fedconfig import FedConfig
+from server.federation import run_federation
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    logging.getLogger("fedla").setLevel(logging.INFO)
+    config = FedConfig.from_mapping(context.run_config)
+    run_dir = run_federation(grid, context, config)
+    logging.getLogger("fedla.server").info("run finished: %s", run_dir)
