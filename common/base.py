@@ -10,6 +10,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 class FedLookaheadError(ValueError):
@@ -103,6 +109,8 @@ def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None 
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise FedLookaheadError(f"model type {config.model_type!r} in {path} is not a causal language model")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FedLookaheadError(f"no tokenizer in {path} (expected one of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -112,6 +120,9 @@ def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None 
             f"tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
         )
     torch_device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
+    except OSError as exc:
+        raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path)

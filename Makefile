@@ -1,0 +1,25 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test` (the tests).
+# Both create .venv, install torch 2.13.0 first (a CPU wheel on this machine), then the project.
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/fedla demo
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

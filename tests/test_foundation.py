@@ -1,0 +1,204 @@
+"""Base loading, heads, save/load with fingerprints, chunking, and a short training run."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from common.base import FedLookaheadError, load_base, resolve_device
+from common.cli import app
+from common.data import chunk_files, load_chunks, stdlib_files
+from common.heads import DraftHeads
+from common.training import evaluate_heads, train_heads
+from tests.conftest import TINY_VOCAB, save_tiny
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_load_base_is_frozen_for_each_architecture(tmp_path, tiny_tokenizer, arch):
+    base = load_base(save_tiny(tmp_path / arch, tiny_tokenizer, arch), device="cpu")
+    assert not base.model.training
+    assert all(not p.requires_grad for p in base.model.parameters())
+    assert base.dtype == torch.float32 and base.device.type == "cpu"
+    hidden = base.features(torch.tensor([[1, 2, 3]]))
+    assert hidden.shape == (1, 3, base.hidden_size) and not hidden.requires_grad
+    # The features are exactly what the LM head turns into the model's logits.
+    logits = base.model(torch.tensor([[1, 2, 3]])).logits
+    torch.testing.assert_close(base.model.get_output_embeddings()(hidden), logits)
+
+
+def test_load_base_errors(tmp_path, tiny_tokenizer, tiny_base_dir):
+    with pytest.raises(FedLookaheadError, match="not found"):
+        load_base(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FedLookaheadError, match="no config.json"):
+        load_base(tmp_path / "empty")
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(FedLookaheadError, match="not a causal language model"):
+        load_base(t5)
+    no_tokenizer = tmp_path / "no-tok"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((tiny_base_dir / "config.json").read_text())
+    with pytest.raises(FedLookaheadError, match="no tokenizer"):
+        load_base(no_tokenizer)
+    with pytest.raises(FedLookaheadError, match="unknown device"):
+        resolve_device("tpu")
+
+
+def test_tokenizer_larger_than_vocab_is_refused(tmp_path, tiny_base_dir):
+    from common.default_model import train_tokenizer
+    from common.data import read_text
+
+    big_tokenizer = train_tokenizer([read_text(p) for p in stdlib_files("train")[:60]], TINY_VOCAB * 2)
+    mismatched = tmp_path / "mismatched"
+    mismatched.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (mismatched / name).write_bytes((tiny_base_dir / name).read_bytes())
+    big_tokenizer.save_pretrained(mismatched)
+    with pytest.raises(FedLookaheadError, match="tokenizer .* has .* tokens"):
+        load_base(mismatched)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_requested_without_gpu_is_a_clear_error():
+    with pytest.raises(FedLookaheadError, match="CUDA is not available"):
+        resolve_device("cuda")
+
+
+def test_head_shapes_and_parameter_count(tiny_base):
+    d = tiny_base.hidden_size
+    heads = DraftHeads.fresh(tiny_base, num_heads=3)
+    # Fusion Linear(2d, d) plus K residual blocks of d*d + d each; embedding and LM head are not counted.
+    assert heads.num_trainable() == (2 * d * d + d) + 3 * (d * d + d)
+    hidden = torch.randn(2, 5, d)
+    logits = heads(hidden, torch.randint(0, TINY_VOCAB, (2, 5)))
+    assert logits.shape == (2, 5, 3, tiny_base.vocab_size)
+    assert set(heads.state_dict()) == {
+        "fusion.proj.weight", "fusion.proj.bias",
+        *(f"lookahead.blocks.{k}.linear.{p}" for k in range(3) for p in ("weight", "bias")),
+    }
+
+
+def test_fresh_heads_start_from_the_base_next_token_distribution(tiny_base):
+    """Identity fusion and zero-initialised residual blocks: every head begins as the base's LM head on h_t."""
+    heads = DraftHeads.fresh(tiny_base, num_heads=2)
+    hidden = tiny_base.features(torch.tensor([[5, 6, 7, 8]]))
+    logits = heads(hidden, torch.tensor([[1, 2, 3, 4]]))
+    expected = tiny_base.model.get_output_embeddings()(hidden)
+    torch.testing.assert_close(logits[:, :, 0], expected)
+    torch.testing.assert_close(logits[:, :, 1], expected)
+
+
+def test_save_load_round_trip_and_fingerprint_refusal(tmp_path, tiny_base, tiny_tokenizer):
+    heads = DraftHeads.fresh(tiny_base, num_heads=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    heads.save(tmp_path / "heads")
+    loaded = DraftHeads.load(tmp_path / "heads", tiny_base)
+    for name, tensor in heads.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    assert loaded.config == heads.config
+
+    other = load_base(save_tiny(tmp_path / "other", tiny_tokenizer, seed=1), device="cpu")
+    assert other.fingerprint != tiny_base.fingerprint
+    with pytest.raises(FedLookaheadError, match="trained for base"):
+        DraftHeads.load(tmp_path / "heads", other)
+    with pytest.raises(FedLookaheadError, match="no heads"):
+        DraftHeads.load(tmp_path / "missing", tiny_base)
+
+
+def test_mismatched_weights_are_refused(tiny_base):
+    heads = DraftHeads.fresh(tiny_base, num_heads=2)
+    state = heads.state_dict()
+    state["fusion.proj.bias"] = torch.zeros(3)
+    with pytest.raises(FedLookaheadError, match="has shape"):
+        heads.load_state_dict_checked(state)
+    state.pop("fusion.proj.bias")
+    with pytest.raises(FedLookaheadError, match="missing"):
+        heads.load_state_dict_checked(state)
+
+
+def test_fingerprint_is_stable_across_loads_and_dtypes(tiny_base_dir, tiny_base):
+    again = load_base(tiny_base_dir, device="cpu", dtype=torch.bfloat16)
+    assert again.fingerprint == tiny_base.fingerprint
+
+
+def test_chunking_edge_cases(tmp_path, tiny_tokenizer, caplog):
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "binary.py").write_bytes(b"\x00\x01\x02binary")
+    (tmp_path / "short.py").write_text("x = 1\n")
+    (tmp_path / "long.py").write_text("def f(x):\n    return x + 1\n" * 40)
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")  # not a text suffix: never read
+    with caplog.at_level(logging.WARNING):
+        chunks = load_chunks(tmp_path, tiny_tokenizer, chunk_len=16)
+    assert chunks.dtype == torch.long and chunks.shape[1] == 16 and len(chunks) > 0
+    ids = tiny_tokenizer((tmp_path / "long.py").read_text(), add_special_tokens=False)["input_ids"]
+    assert len(chunks) == len(ids) // 16
+    assert chunks.flatten().tolist() == ids[: len(chunks) * 16]  # no chunk crosses a file boundary
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "empty" in messages and "binary" in messages and "shorter than a chunk" in messages
+    assert "short.py" in messages
+
+
+def test_chunking_errors(tmp_path, tiny_tokenizer):
+    with pytest.raises(FedLookaheadError, match="not found"):
+        load_chunks(tmp_path / "missing", tiny_tokenizer, 16)
+    with pytest.raises(FedLookaheadError, match="no text files"):
+        load_chunks(tmp_path, tiny_tokenizer, 16)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    with pytest.raises(FedLookaheadError, match="at least 512 tokens"):
+        load_chunks(tmp_path, tiny_tokenizer, 512)
+    with pytest.raises(FedLookaheadError, match="at least 2"):
+        chunk_files([tmp_path / "a.py"], tiny_tokenizer, 1)
+
+
+def test_stdlib_split_is_disjoint_by_top_level_name():
+    from common.data import stdlib_dir
+
+    def top_level_names(paths):
+        return {p.relative_to(stdlib_dir()).parts[0].removesuffix(".py") for p in paths}
+
+    train, heldout = stdlib_files("train"), stdlib_files("heldout")
+    assert len(train) > 5 * len(heldout) > 0
+    assert not top_level_names(train) & top_level_names(heldout)
+
+
+def test_short_training_beats_chance_by_a_wide_margin(tiny_base):
+    torch.manual_seed(0)
+    chunks = chunk_files(stdlib_files("train")[:25], tiny_base.tokenizer, 32)[:600]
+    heads = DraftHeads.fresh(tiny_base, num_heads=2)
+    history = train_heads(heads, tiny_base, chunks, epochs=2, lr=3e-3, batch_size=32)
+    report = evaluate_heads(heads, tiny_base, chunks[:128])
+    chance = 1 / tiny_base.vocab_size
+    assert report["head_accuracy"][0] > 20 * chance
+    assert history[-1]["loss"] < history[0]["loss"] or len(history) == 1
+
+
+def test_train_heads_command(tmp_path, tiny_base_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in stdlib_files("train")[:6]:
+        (data / path.name).write_text(path.read_text())
+    out = tmp_path / "heads"
+    result = CliRunner().invoke(
+        app,
+        ["train-heads", "--data", str(data), "--eval-data", str(data), "--out", str(out), "--base", str(tiny_base_dir),
+         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu"],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "train_report.json").read_text())
+    assert len(report["heldout"]["head_accuracy"]) == 2
+    assert (out / "heads.safetensors").is_file()
+
+
+def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):
+    result = CliRunner().invoke(app, ["train-heads", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "h"),
+                                      "--base", str(tiny_base_dir), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0 and "data directory not found" in result.output
