@@ -1,0 +1,51 @@
+"""`flwr run` end to end: a 3-client simulation with SecAgg+ and DP on a private local SuperLink."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.data import stdlib_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
+from simulations.superlink import LocalSuperLink, _alive  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None,
+                                reason="flower-superlink is not installed in this environment")
+
+
+def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "fedla-home"))  # chunk caches stay in the test's folder
+    run_config = {
+        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 2, "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4,
+        "min-train-clients": 3, "min-available-clients": 3, "node-wait-seconds": 60.0,
+        "server-eval-chunks": 8, "eval-prompts": 1, "eval-max-new-tokens": 4, "client-eval-prompts": 1,
+        "run-dir": str(tmp_path / "runs"), "run-id": "flwr-e2e", "secagg": True, "dp": True,
+    }
+    link = LocalSuperLink(flwr_home=tmp_path / "flwr-home", log_dir=tmp_path)
+    with link:
+        code = link.run(run_config, {"num-supernodes": 3, "client-resources-num-cpus": 1}, timeout=600,
+                        log_path=tmp_path / "flwr-run.log")
+        port, started = link.port, [link.process.pid] + sorted(link.known)
+    log = (tmp_path / "flwr-run.log").read_text()
+    assert code == 0, log[-3000:]
+    # everything this test started is gone: SuperLink, SuperExec, simulation, Ray workers
+    assert not [pid for pid in started if _alive(pid)]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+    summary = json.loads((tmp_path / "runs" / "flwr-e2e" / "summary.json").read_text())
+    assert summary["run"]["status"] == "finished", log[-3000:]
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    for record in summary["rounds"]:
+        assert record["participation"] == {"sampled": 3, "succeeded": 3, "dropped": 0, "rejected": []}
+        assert 0 < record["privacy"]["epsilon_max"] <= 8.0
+    assert summary["rounds"][1]["privacy"]["epsilon_max"] > summary["rounds"][0]["privacy"]["epsilon_max"]
+    assert "Secure aggregation completed" in log
+    assert (tmp_path / "runs" / "flwr-e2e" / "checkpoints" / "round-2" / "heads.safetensors").is_file()

@@ -1,0 +1,209 @@
+"""The real server loop and ClientApp over an in-process Grid: SecAgg+ vs plain mean, dropouts, bad replies, resume."""
+
+from __future__ import annotations
+
+import json
+
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import FitRes, ndarray_to_bytes, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey
+
+from client import client_app as client_module
+from client.client_app import secaggplus_when_needed, train_handler
+from client.privacy import epsilon_of
+from common.base import FedLookaheadError
+from common.data import stdlib_dir
+from common.fedconfig import FedConfig
+from common.heads import DraftHeads
+from common.params import heads_to_ndarrays
+from server.federation import run_federation
+from server.inprocess import InProcessGrid
+
+
+@pytest.fixture
+def run_config(tiny_base_dir, tmp_path):
+    return {
+        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 1, "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4,
+        "lr": 0.01, "min-train-clients": 3, "min-available-clients": 3, "node-wait-seconds": 0.0,
+        "server-eval-chunks": 8, "eval-prompts": 1, "eval-max-new-tokens": 0, "fraction-evaluate": 0.5,
+        "run-dir": str(tmp_path / "runs"),
+    }
+
+
+def recording_app(sent: dict, corrupt=None, corrupt_masked=None) -> ClientApp:
+    """The real train handler, recording each client's plain update before SecAgg+ masks it."""
+
+    def masked_corrupter(msg, context, call_next):
+        reply = call_next(msg, context)
+        if corrupt_masked and reply.has_content() and RECORD_KEY_CONFIGS in reply.content.config_records:
+            record = reply.content.config_records[RECORD_KEY_CONFIGS]
+            if SecAggKey.MASKED_PARAMETERS in record:
+                record[SecAggKey.MASKED_PARAMETERS] = corrupt_masked(context.node_id, list(record[SecAggKey.MASKED_PARAMETERS]))
+        return reply
+
+    app = ClientApp()
+
+    @app.train(mods=[masked_corrupter, secaggplus_when_needed])
+    def train(msg: Message, context: Context) -> Message:
+        fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+        fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
+        sent[context.node_id] = (parameters_to_ndarrays(fitres.parameters), fitres.num_examples)
+        if corrupt:
+            fitres = corrupt(context.node_id, fitres)
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+    app.evaluate()(client_module.evaluate)
+    return app
+
+
+def run(run_config: dict, app: ClientApp, nodes: int = 4) -> tuple:
+    grid = InProcessGrid(app, nodes, run_config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), grid
+
+
+def round_record(run_dir, round_: int = 1) -> dict:
+    return json.loads((run_dir / "rounds" / f"round-{round_}.json").read_text())
+
+
+def global_heads(run_dir, base, round_: int = 1) -> list[np.ndarray]:
+    return heads_to_ndarrays(DraftHeads.load(run_dir / "checkpoints" / f"round-{round_}", base))
+
+
+def weighted_mean(updates: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
+    total = sum(w for _, w in updates)
+    return [sum(arrays[i].astype(np.float64) * w / total for arrays, w in updates) for i in range(len(updates[0][0]))]
+
+
+def secagg_tolerance(config: FedConfig, weights: list[int]) -> float:
+    """Stochastic quantisation: each client's weighted value is off by < one step 2c/Q, the sum by n steps."""
+    step = 2 * config.secagg_clipping_range / config.secagg_quantization_range
+    return len(weights) * step / (sum(weights) / config.secagg_max_weight) + 1e-6
+
+
+def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
+    sent: dict = {}
+    run_dir, summary, grid = run(run_config, recording_app(sent))
+    assert summary["run"]["status"] == "finished" and len(summary["rounds"]) == 1
+    record = round_record(run_dir)
+    assert record["aggregated"] and record["participation"]["succeeded"] == 4
+    assert len(sent) == 4
+    config = FedConfig.from_mapping(run_config)
+    expected = weighted_mean(list(sent.values()))
+    tolerance = secagg_tolerance(config, [w for _, w in sent.values()])
+    secure = global_heads(run_dir, tiny_base)
+    worst = max(float(np.abs(s - e).max()) for s, e in zip(secure, expected))
+    assert worst <= tolerance, (worst, tolerance)
+    spread = max(float(np.abs(a[i] - expected[i]).max()) for a, _ in sent.values() for i in range(len(a)))
+    assert spread > 20 * tolerance  # the clients really differ (DP noise), so the check is not vacuous
+    privacy = summary["rounds"][0]["privacy"]
+    assert 0 < privacy["epsilon_max"] <= 8.0 and privacy["delta"] == 1e-5
+    head_bytes = sum(a.astype(np.float32).nbytes for a in expected)
+    assert head_bytes <= record["bytes"]["down_per_client"] < head_bytes + 4096  # the heads and nothing else
+    assert record["bytes"]["up_per_client"] >= 2 * head_bytes  # masked int64 vector
+    assert record["client_eval"]["evaluated"] == 2  # fraction-evaluate 0.5 of 4 nodes got the new heads
+    assert (run_dir / "checkpoints" / "round-1" / "heads.safetensors").is_file()
+    assert summary["checkpoints"][0]["head_version"] == 1
+    assert (run_dir / "plot.png").is_file()
+
+
+def test_secagg_survives_a_mid_round_dropout(run_config, tiny_base):
+    sent: dict = {}
+    run_dir, summary, _ = run(dict(run_config, **{"dropout-rate": 0.25}), recording_app(sent))
+    record = round_record(run_dir)
+    assert record["aggregated"], record["aggregate_note"]
+    part = record["participation"]
+    assert part["sampled"] == 4 and part["succeeded"] == 3 and part["dropped"] == 1
+    assert len(part["induced_failures"]) == 1
+    assert "simulated dropout" in part["failures"][str(part["induced_failures"][0])]
+    assert len(sent) == 3
+    config = FedConfig.from_mapping(run_config)
+    expected = weighted_mean(list(sent.values()))
+    secure = global_heads(run_dir, tiny_base)
+    tolerance = secagg_tolerance(config, [w for _, w in sent.values()])
+    assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
+
+
+def _corrupt_plain(node_id: int, fitres: FitRes) -> FitRes:
+    arrays = parameters_to_ndarrays(fitres.parameters)
+    if node_id == 1000:
+        arrays[0][0, 0] = np.nan
+    elif node_id == 1001:
+        arrays[1] = arrays[1][:-1]
+    elif node_id == 1002:
+        arrays[2][0, 0] = 1e3
+    else:
+        return fitres
+    return FitRes(fitres.status, ndarrays_to_parameters(arrays), fitres.num_examples, fitres.metrics)
+
+
+def test_plain_fedavg_rejects_malformed_replies_and_keeps_going(run_config, tiny_base):
+    sent: dict = {}
+    run_dir, summary, _ = run(dict(run_config, secagg=False), recording_app(sent, corrupt=_corrupt_plain))
+    record = round_record(run_dir)
+    reasons = sorted(r["reason"] for r in record["participation"]["rejected"])
+    assert len(reasons) == 3
+    assert any("non-finite" in r for r in reasons)
+    assert any("wrong shape" in r for r in reasons)
+    assert any("out-of-range" in r for r in reasons)
+    assert record["aggregated"] and record["participation"]["succeeded"] == 1
+    honest = sent[1003][0]
+    for got, want in zip(global_heads(run_dir, tiny_base), honest):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)  # only the honest update made it in
+    stored = summary["rounds"][0]["participation"]["rejected"]
+    assert sorted(r["reason"] for r in stored) == reasons  # logged in the run store too
+
+
+def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_config, tiny_base):
+    sent: dict = {}
+
+    def corrupt_masked(node_id: int, payload: list) -> list:
+        if node_id == 1001:
+            return payload[:-1]  # one array short
+        if node_id == 1002:
+            return payload[:1] + [ndarray_to_bytes(np.zeros((3, 3), dtype=np.int64))] + payload[2:]
+        return payload
+
+    run_dir, _, _ = run(run_config, recording_app(sent, corrupt_masked=corrupt_masked), nodes=5)
+    record = round_record(run_dir)
+    reasons = sorted(r["reason"] for r in record["participation"]["rejected"])
+    assert len(reasons) == 2
+    assert any("wrong number of masked arrays" in r for r in reasons) and any("wrong shape" in r for r in reasons)
+    assert record["aggregated"], record["aggregate_note"]
+    honest = [v for node, v in sent.items() if node not in (1001, 1002)]
+    expected = weighted_mean(honest)
+    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
+    secure = global_heads(run_dir, tiny_base)
+    assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
+
+
+def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tmp_path):
+    config = dict(run_config, **{"num-server-rounds": 2, "dp-planned-rounds": 2, "run-id": "resumable",
+                                 "fraction-evaluate": 0.0, "client-state-dir": str(tmp_path / "client-state")})
+    first_dir, first, _ = run(dict(config, **{"num-server-rounds": 1}), recording_app({}))
+    assert [r["round"] for r in first["rounds"]] == [1]
+    # a new federation (fresh contexts: only the clients' state folders remember their accountants)
+    run_dir, summary, _ = run(dict(config, **{"resume-from": str(first_dir)}), recording_app({}))
+    assert run_dir == first_dir and [r["round"] for r in summary["rounds"]] == [1, 2]
+    assert json.loads((run_dir / "run.json").read_text())["resumed_from_round"] == 1
+    assert summary["checkpoints"][-1]["head_version"] == 2
+    record = round_record(run_dir, 2)
+    sigma = record["privacy"]["noise_multiplier"][0]
+    q = record["privacy"]["q"][0]
+    steps = int(round(1 / q))
+    expected = epsilon_of([(sigma, q, steps)] * 2, 1e-5)  # two rounds on one accountant, not one fresh one
+    for eps in record["privacy"]["epsilon_this_round"].values():
+        assert eps == pytest.approx(expected, rel=1e-9)
+    assert expected <= 8.0
+
+
+def test_too_few_nodes_fails_fast_with_a_clear_error(run_config):
+    config = dict(run_config, **{"min-available-clients": 5, "min-train-clients": 3})
+    with pytest.raises(FedLookaheadError, match="only 3 node.*min-available-clients is 5"):
+        run(config, recording_app({}), nodes=3)
