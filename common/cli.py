@@ -102,6 +102,107 @@ def train_heads_cmd(
     typer.echo(json.dumps(report, indent=2))
 
 
+def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
+    """Heads for ams/fused: --heads, else the newest heads in default_heads_dir(); None (warned) if none fit."""
+    import warnings
+
+    from common.decoding import load_heads
+
+    if mode not in ("ams", "fused"):
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_heads(heads, model)
+    for warning in caught:
+        typer.echo(f"warning: {warning.message}", err=True)
+    return loaded
+
+
+@app.command("generate")
+def generate_cmd(
+    prompt: Optional[str] = typer.Option(None, help="Prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
+    mode: str = typer.Option("ams", help="ams | greedy | beam | fused"),
+    max_new_tokens: int = typer.Option(128, min=1),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; > 0 samples (lossless in ams mode)."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
+    no_guard: bool = typer.Option(False, "--no-guard", help="Switch off the repetition (degeneration) guard."),
+    seed: Optional[int] = typer.Option(None),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+) -> None:
+    """Generate text with AMS-LD (or a baseline mode); prints the text, then tokens/s and tau."""
+    import warnings
+
+    from common.decoding import MODES, generate
+
+    if mode not in MODES:
+        fail(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    if (prompt is None) == (prompt_file is None):
+        fail("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            fail(f"prompt file not found: {prompt_file}")
+        prompt = prompt_file.read_text(errors="replace")
+    if not prompt:
+        fail("empty prompt")
+    try:
+        model = open_base(base, device)
+        ids = torch.tensor(model.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        draft_heads = _decoding_heads(heads, model, mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = generate(model, ids, mode=mode, heads=draft_heads, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, stop_strings=stop,
+                              degeneration_guard=not no_guard, seed=seed)
+        for warning in caught:
+            if draft_heads is not None or mode not in ("ams", "fused"):
+                typer.echo(f"warning: {warning.message}", err=True)
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    typer.echo(result.text)
+    typer.echo(
+        f"[{result.mode}] {len(result.tokens)} tokens in {result.seconds:.2f}s: "
+        f"{result.tokens_per_s:.1f} tokens/s, tau {result.tau:.2f} (stop: {result.stop_reason})"
+    )
+
+
+@app.command("bench-decode")
+def bench_decode_cmd(
+    data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib held-out split)."),
+    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
+    prompts: int = typer.Option(20, min=1, help="Number of prompts."),
+    prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
+    max_new_tokens: int = typer.Option(128, min=1),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+) -> None:
+    """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
+    from common.bench import decode_benchmark, format_table
+    from common.data import prompts_from_files, stdlib_files, text_files
+
+    try:
+        model = open_base(base, device)
+        files = text_files(data) if data else stdlib_files("heldout")
+        chosen = prompts_from_files(files, model.tokenizer, prompts, prompt_tokens)
+        if not chosen:
+            raise FedLookaheadError(f"no file is long enough for a {prompt_tokens}-token prompt")
+        draft_heads = _decoding_heads(heads, model, "ams")
+        if draft_heads is None:
+            typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
+        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens)
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    typer.echo(format_table(summary))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(summary, indent=2))
+        typer.echo(f"wrote {json_out}")
+
+
 @app.command("dashboard")
 def dashboard_cmd(
     db: Optional[str] = typer.Option(None, help="Run store: SQLAlchemy URL or SQLite path (default: $FEDLA_DB or runs/fedla.db)."),

@@ -1,0 +1,139 @@
+"""Side-by-side decoding benchmark: transformers' greedy and prompt-lookup generate vs our greedy and AMS-LD.
+
+All modes run in one process, interleaved per prompt (the order rotates from prompt to prompt so
+no mode always runs first), after a warm-up of every mode. Per mode: tokens/s over all prompts
+(total new tokens / total seconds, prefill included), tau (new tokens per base forward after the
+prefill) and whether every prompt's output equals transformers' greedy output token for token.
+Speed-ups are medians over prompts of per-prompt tokens/s ratios against `hf_greedy`.
+
+Our modes run with the degeneration guard off and no stop strings, so they produce exactly the
+tokens `generate` produces (both stop at EOS or max_new_tokens).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from common.base import BaseModel
+from common.decoding import AmsPolicy, generate
+from common.decoding.decoders import ForwardCounter
+from common.heads import DraftHeads
+
+BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    forwards: int
+
+
+@dataclass
+class ModeTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    identical: bool = True
+    mismatches: int = 0
+    per_prompt_speed: list[float] = field(default_factory=list)
+
+
+def hf_generate(base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_lookup: int | None = None) -> Run:
+    """transformers' own generate, greedy (optionally with prompt lookup), timed and with forwards counted."""
+    eos = base.model.generation_config.eos_token_id
+    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    with torch.no_grad(), ForwardCounter(base.model) as counter:
+        started = time.perf_counter()
+        out = base.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            **kwargs,
+        )
+        if base.device.type == "cuda":
+            torch.cuda.synchronize(base.device)
+        seconds = time.perf_counter() - started
+    return Run(out[0, ids.shape[1] :].tolist(), seconds, max(1, counter.calls - 1))
+
+
+def run_mode(
+    mode: str, base: BaseModel, heads: DraftHeads | None, ids: torch.Tensor, max_new_tokens: int, policy: AmsPolicy | None
+) -> Run:
+    if mode == "hf_greedy":
+        return hf_generate(base, ids, max_new_tokens)
+    if mode == "hf_prompt_lookup":
+        return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS)
+    result = generate(
+        base, ids, mode=mode, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy
+    )
+    return Run(result.tokens, result.seconds, max(1, result.base_forwards))
+
+
+def decode_benchmark(
+    base: BaseModel,
+    heads: DraftHeads | None,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    policy: AmsPolicy | None = None,
+    modes: tuple[str, ...] = BENCH_MODES,
+    progress: bool = True,
+) -> dict:
+    """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
+    if "hf_greedy" not in modes:
+        raise ValueError("the benchmark needs the hf_greedy reference mode")
+    ids_list = [p.view(1, -1).to(base.device) for p in prompts]
+    for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
+        run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy)
+    totals = {mode: ModeTotals() for mode in modes}
+    for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):
+        order = modes[index % len(modes) :] + modes[: index % len(modes)]
+        runs = {mode: run_mode(mode, base, heads, ids, max_new_tokens, policy) for mode in order}
+        reference = runs["hf_greedy"]
+        for mode, run in runs.items():
+            total = totals[mode]
+            total.tokens += len(run.tokens)
+            total.seconds += run.seconds
+            total.forwards += run.forwards
+            if run.tokens != reference.tokens:
+                total.identical = False
+                total.mismatches += 1
+            total.per_prompt_speed.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
+    reference_speed = totals["hf_greedy"].per_prompt_speed
+    summary = {
+        "modes": {
+            mode: {
+                "tokens_per_s": round(t.tokens / t.seconds, 2) if t.seconds > 0 else 0.0,
+                "tau": round(t.tokens / max(1, t.forwards), 3),
+                "identical_to_hf_greedy": t.identical,
+            }
+            for mode, t in totals.items()
+        },
+        "speedup_vs_hf_greedy": {
+            mode: round(statistics.median(s / r for s, r in zip(t.per_prompt_speed, reference_speed) if r > 0), 3)
+            for mode, t in totals.items()
+        },
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'mode':<18}{'tokens/s':>10}{'tau':>8}{'speedup':>9}  identical to hf_greedy"]
+    for mode, row in summary["modes"].items():
+        lines.append(
+            f"{mode:<18}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}"
+            f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {'yes' if row['identical_to_hf_greedy'] else 'NO'}"
+        )
+    lines.append(f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1")
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""The decoding loops: AMS-LD (lossless tree speculation) and the baselines greedy, beam and fused.
+
+All loops run batch size 1, under inference mode, with the base's body and LM head called directly
+on a DynamicCache. Per step the AMS-LD loop makes exactly one host-device synchronisation: the
+`.tolist()` that brings back the accepted node, the bonus token and the heads' candidates for the
+next tree together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.base import BaseModel
+from common.decoding.core import BaseRunner, Stopper, sampling_probs
+from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
+from common.decoding.tree import (
+    TreeSpecCache,
+    attention_mask_4d,
+    greedy_accept,
+    keep_cache_path,
+    position_ids,
+    sample_accept,
+)
+from common.heads import DraftHeads
+
+
+class UnsupportedCache(RuntimeError):
+    """The base's cache has layers the tree compaction does not handle (e.g. sliding windows)."""
+
+
+def _first_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=generator).view(())
+
+
+@torch.inference_mode()
+def greedy_decode(
+    base: BaseModel, ids: torch.Tensor, stopper: Stopper, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[list[int], int, str, dict]:
+    """Plain decoding, one token per forward with the KV cache (sampling when temperature > 0)."""
+    runner = BaseRunner(base)
+    logits = runner.logits(runner.forward(ids)[:, -1])[0]
+    token = _first_token(logits, temperature, top_p, generator)
+    tokens: list[int] = []
+    reason = stopper.admit(tokens, [int(token)])
+    forwards = 0
+    while reason is None:
+        logits = runner.logits(runner.forward(token.view(1, 1)))[0, -1]
+        forwards += 1
+        token = _first_token(logits, temperature, top_p, generator)
+        reason = stopper.admit(tokens, [int(token)])
+    return tokens, forwards, reason, {}
+
+
+@torch.inference_mode()
+def ams_decode(
+    base: BaseModel,
+    ids: torch.Tensor,
+    heads: DraftHeads,
+    policy: AmsPolicy,
+    stopper: Stopper,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+) -> tuple[list[int], int, str, dict]:
+    """AMS-LD: draft a tree, verify it in one forward, keep the longest accepted path plus the bonus token."""
+    device = base.device
+    runner = BaseRunner(base)
+    drafter = HeadsTreeDrafter(heads, policy)
+    specs = TreeSpecCache(base.dtype, device)
+    sampling = temperature > 0
+    max_positions = base.max_positions
+
+    hidden = runner.forward(ids)[0, -1]
+    if not runner.plain_cache():
+        raise UnsupportedCache(f"cache layers {sorted({type(l).__name__ for l in runner.cache.layers})}")
+    first = _first_token(runner.logits(hidden), temperature, top_p, generator)
+    packed = torch.cat([first.view(1).double(), drafter.draft_inputs(hidden, first)]).tolist()
+    root, values = int(packed[0]), packed[1:]
+    context = ids[0].tolist()
+    drafter.reset(context)
+    tokens: list[int] = []
+    reason = stopper.admit(tokens, [root])
+    context.append(root)
+    forwards = 0
+    while reason is None:
+        past = runner.length
+        tree_tokens, parents = drafter.propose(root, values, context, max_depth=max_positions - 1 - past)
+        spec = specs.get(parents)
+        tokens_t = torch.tensor(tree_tokens, dtype=torch.long, device=device)
+        hidden = runner.forward(tokens_t.view(1, -1), attention_mask_4d(spec, past), position_ids(spec, past))[0]
+        forwards += 1
+        logits = runner.logits(hidden)  # (q, V)
+        if sampling:
+            probs = sampling_probs(logits, temperature, top_p)
+            uniforms = torch.rand(spec.size, generator=generator, device=device, dtype=probs.dtype)
+            best, bonus = sample_accept(spec, tokens_t, probs, uniforms, generator)
+        else:
+            choices = logits.argmax(-1)
+            best = greedy_accept(spec, tokens_t, choices)
+            bonus = choices[best]
+        draft = drafter.draft_inputs(hidden[best], bonus)
+        packed = torch.cat([torch.stack([best, bonus]).double(), draft]).tolist()  # the step's one sync
+        path = spec.paths[int(packed[0])]
+        root, values = int(packed[1]), packed[2:]
+        keep_cache_path(runner.cache, past, path)
+        accepted = [tree_tokens[i] for i in path[1:]]
+        drafter.feedback(accepted)
+        accepted.append(root)
+        reason = stopper.admit(tokens, accepted)
+        context.extend(accepted)
+    return tokens, forwards, reason, dict(drafter.stats)
+
+
+@torch.inference_mode()
+def fused_decode(
+    base: BaseModel,
+    ids: torch.Tensor,
+    heads: DraftHeads,
+    policy: AmsPolicy,
+    stopper: Stopper,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+) -> tuple[list[int], int, str, dict]:
+    """The seed article's "fused" lookahead decoding. NOT lossless: it changes the output.
+
+    Among the base's top-m next tokens y, pick by P'(y) ∝ P(y) · exp(α · L(y)), where L(y) is the
+    first lookahead head's log-confidence (log-probability of its own top token) after fusing y:
+    a candidate after which the future looks predictable is favoured. Greedy takes the argmax of
+    P'; with temperature > 0 it samples from P' (P being the temperature / top-p distribution).
+    One base forward per token (tau = 1): a quality heuristic, not a speed-up.
+    """
+    runner = BaseRunner(base)
+    m, alpha = max(1, policy.fused_top_m), policy.fused_alpha
+    tokens: list[int] = []
+    forwards = 0
+    hidden = runner.forward(ids)[0, -1]
+    reason = None
+    while True:
+        logits = runner.logits(hidden).float()
+        if temperature > 0:
+            logp = sampling_probs(logits, temperature, top_p).log()
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logp, m)
+        head_logits = heads(hidden.view(1, -1).expand(m, -1), top.indices)[:, 0].float()  # (m, V)
+        confidence = head_logits.max(-1).values - torch.logsumexp(head_logits, dim=-1)  # log p_head1(top token)
+        score = top.values + alpha * confidence
+        if temperature > 0:
+            choice = torch.multinomial(torch.softmax(score, dim=-1), 1, generator=generator)[0]
+        else:
+            choice = score.argmax()
+        token = top.indices[choice]
+        reason = stopper.admit(tokens, [int(token)])
+        if reason is not None:
+            break
+        hidden = runner.forward(token.view(1, 1))[0, -1]
+        forwards += 1
+    return tokens, forwards, reason, {}
+
+
+class ForwardCounter:
+    """Counts forward calls of a module (used for transformers' generate, whose loop we do not own)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.calls = module, 0
+
+    def __enter__(self) -> ForwardCounter:
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, *args: object) -> None:
+        self.calls += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+
+@torch.no_grad()
+def beam_decode(
+    base: BaseModel,
+    ids: torch.Tensor,
+    policy: AmsPolicy,
+    stopper: Stopper,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    seed: int | None,
+) -> tuple[list[int], int, str, dict]:
+    """Beam search via transformers' generate (num_beams = policy.beam_width); stop rules applied after."""
+    kwargs: dict = dict(num_beams=max(1, policy.beam_width), early_stopping=True)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+        if seed is not None:
+            torch.manual_seed(seed)
+    else:
+        kwargs.update(do_sample=False)
+    if stopper.stop_strings:
+        kwargs.update(stop_strings=list(stopper.stop_strings), tokenizer=base.tokenizer)
+    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else next(iter(stopper.eos), 0)
+    with ForwardCounter(base.model) as counter:
+        out = base.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=stopper.limit, pad_token_id=pad, **kwargs
+        )
+    generated = out[0, ids.shape[1] :].tolist()
+    tokens: list[int] = []
+    reason = stopper.admit(tokens, generated) or "max_new_tokens"
+    if reason == "max_new_tokens" and len(tokens) < stopper.limit:
+        reason = "eos"
+    return tokens, max(0, counter.calls - 1), reason, {}
