@@ -171,13 +171,13 @@ def test_stdlib_split_is_disjoint_by_top_level_name():
 
 def test_short_training_beats_chance_by_a_wide_margin(tiny_base):
     torch.manual_seed(0)
-    chunks = chunk_files(stdlib_files("train")[:25], tiny_base.tokenizer, 32)[:600]
+    chunks = chunk_files(stdlib_files("train")[:25], tiny_base.tokenizer, 32)[:256]
     heads = DraftHeads.fresh(tiny_base, num_heads=2)
-    history = train_heads(heads, tiny_base, chunks, epochs=2, lr=3e-3, batch_size=32)
+    history = train_heads(heads, tiny_base, chunks, epochs=6, lr=1e-2, batch_size=32)
     report = evaluate_heads(heads, tiny_base, chunks[:128])
     chance = 1 / tiny_base.vocab_size
     assert report["head_accuracy"][0] > 20 * chance
-    assert history[-1]["loss"] < history[0]["loss"] or len(history) == 1
+    assert history[-1]["loss"] < history[0]["loss"]
 
 
 def test_train_heads_command(tmp_path, tiny_base_dir):
