@@ -142,8 +142,10 @@ def choose_noise_multiplier(config: FedConfig, q: float, steps_per_round: int) -
 
 @functools.lru_cache(maxsize=256)
 def _sigma(target_epsilon: float, delta: float, q: float, steps: int) -> float:
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
-                                      steps=steps, accountant="rdp"))
+    with warnings.catch_warnings():  # the search visits sigmas whose best RDP order is the largest one
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
+                                          steps=steps, accountant="rdp"))
 
 
 @dataclass

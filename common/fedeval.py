@@ -24,7 +24,11 @@ def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], 
     except ImportError:
         log.warning("common.decoding is not available yet: tau not measured")
         return None
-    taus = [float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens).tau) for p in prompts]
+    try:
+        taus = [float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens).tau) for p in prompts]
+    except Exception:  # noqa: BLE001 - a decoder failure costs this measurement, never the federated run
+        log.exception("AMS-LD decoding failed: tau not measured this time")
+        return None
     return sum(taus) / len(taus)
 
 

@@ -1,0 +1,136 @@
+"""Run a simulation scenario: `python -m simulations.run iid-10` (see simulations/scenarios/*.toml).
+
+A scenario is a TOML file with a `[federation]` table (num-supernodes, client-resources-num-cpus: the
+simulation's `--federation-config`) and a `[run-config]` table (overrides of [tool.flwr.app.config]);
+`base = "other"` inherits another scenario. The runner starts a private local SuperLink (its own
+ports and FLWR_HOME, see simulations/superlink.py), submits `flwr run . local --run-config ...
+--federation-config ... --stream`, waits for the run to end and stops every process it started.
+The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
+flwr.log and prints the per-round table.
+
+Options: --set k=v (more run-config overrides, TOML values), --rounds N, --run-id ID,
+--inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over server.inprocess.InProcessGrid,
+clients one after another), --timeout SECONDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import tomllib
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+
+
+def load_scenario(name: str) -> dict:
+    path = SCENARIOS / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in SCENARIOS.glob("*.toml")))
+        raise SystemExit(f"error: no scenario {name!r} (known: {known})")
+    data = tomllib.loads(path.read_text())
+    if "base" in data:
+        parent = load_scenario(data["base"])
+        data = {"description": data.get("description", parent.get("description", "")),
+                "federation": {**parent.get("federation", {}), **data.get("federation", {})},
+                "run-config": {**parent.get("run-config", {}), **data.get("run-config", {})}}
+    return data
+
+
+def parse_sets(values: list[str]) -> dict:
+    out = {}
+    for item in values:
+        key, _, raw = item.partition("=")
+        out[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
+    return out
+
+
+def print_table(summary: dict) -> None:
+    print(f"\nrun {summary['run']['run_id']}: {summary['run']['status']}")
+    print(f"{'round':>5} {'tau':>6} {'c-tau':>6} {'acc (server eval, heads 1..K)':<32} {'loss':>7} "
+          f"{'smp':>4} {'ok':>3} {'drop':>4} {'rej':>3} {'eps max':>8} {'s':>6} {'bytes/cl':>9}")
+    for r in summary["rounds"]:
+        m, p, pr = r["metrics"], r["participation"], r["privacy"]
+        tau = f"{m['tau']:.3f}" if m["tau"] is not None else "-"
+        ctau = f"{m['client_tau']:.3f}" if m.get("client_tau") is not None else "-"
+        acc = " ".join(f"{a:.3f}" for a in m["head_accuracy"])
+        eps = f"{pr['epsilon_max']:.3f}" if pr["epsilon_max"] is not None else "inf"
+        print(f"{r['round']:>5} {tau:>6} {ctau:>6} {acc:<32} {m['train_loss']:>7.3f} {p['sampled']:>4} "
+              f"{p['succeeded']:>3} {p['dropped']:>4} {len(p['rejected']):>3} {eps:>8} {r['wall_seconds']:>6.0f} "
+              f"{r['bytes_per_client']:>9}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--run-id")
+    parser.add_argument("--run-dir", default=str(REPO / "runs"))
+    parser.add_argument("--inprocess", action="store_true")
+    parser.add_argument("--timeout", type=float, default=3 * 3600)
+    args = parser.parse_args(argv)
+
+    scenario = load_scenario(args.scenario)
+    run_config = dict(scenario.get("run-config", {}))
+    run_config.update(parse_sets(args.set))
+    if args.rounds:
+        run_config["num-server-rounds"] = args.rounds
+    run_id = args.run_id or f"{args.scenario}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    run_root = Path(args.run_dir).resolve()
+    run_dir = run_root / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_config.update({"run-id": run_id, "run-dir": str(run_root)})
+    run_config.setdefault("client-state-dir", str(run_dir / "client-state"))
+    federation = dict(scenario.get("federation", {}))
+    print(f"scenario {args.scenario}: {scenario.get('description', '')}\nrun {run_id} -> {run_dir}", flush=True)
+    started = time.perf_counter()
+    if args.inprocess:
+        code = _run_inprocess(run_config, int(federation.get("num-supernodes", 2)), run_dir)
+    else:
+        from simulations.superlink import LocalSuperLink
+
+        with LocalSuperLink(log_dir=run_dir) as link:
+            code = link.run(run_config, federation, timeout=args.timeout, log_path=run_dir / "flwr.log")
+    seconds = time.perf_counter() - started
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        print(f"error: no summary written (exit code {code}); see {run_dir / 'flwr.log'}", file=sys.stderr)
+        return 1
+    summary = json.loads(summary_file.read_text())
+    if not (run_dir / "plot.png").is_file():
+        from server.report import plot_run
+
+        plot_run(run_dir)
+    (run_dir / "scenario.json").write_text(json.dumps({"scenario": args.scenario, "federation": federation,
+                                                       "run_config": run_config, "wall_seconds": seconds,
+                                                       "mode": "inprocess" if args.inprocess else "flwr run"},
+                                                      indent=2))
+    print_table(summary)
+    print(f"\nwall time {seconds:.0f}s; summary {summary_file}; plot {run_dir / 'plot.png'}")
+    return 0 if code == 0 and summary["run"]["status"] == "finished" else 1
+
+
+def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
+    from flwr.app import Context, RecordDict
+
+    from client.client_app import app as client_app
+    from common.fedconfig import FedConfig
+    from server.federation import run_federation
+    from server.inprocess import InProcessGrid
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()])
+    grid = InProcessGrid(client_app, num_nodes, run_config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    run_federation(grid, context, FedConfig.from_mapping(run_config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
