@@ -24,6 +24,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
+from client import state as device_state
 from client.privacy import load_state, save_state, state_file, train_round
 from client.task import cached_base, client_data
 from common.base import FedLookaheadError
@@ -71,6 +72,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     base = cached_base(config)
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
+    device_state.train_started(context, fit_config, heads)  # a device keeps the global heads it was sent
     data = client_data(config, base, dict(context.node_config))
     if len(data.train) == 0:
         raise FedLookaheadError("this client has no training chunks")
@@ -105,6 +107,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
             metrics[f"acc-{k}"] = float(acc)
     # SecAgg+ weight: capped so weight / max_weight <= 1 (beyond, the masked sum would overflow)
     weight = 0 if result.skipped else min(len(data.train), int(config.secagg_max_weight))
+    device_state.train_finished(context, fit_config, metrics, weight)
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
 
 
@@ -123,6 +126,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = client_config(context)
     base = cached_base(config)
     heads = heads_from_records(msg.content[HEADS_RECORD], msg.content[HEADS_CONFIG_RECORD], base)
+    device_state.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
     data = client_data(config, base, dict(context.node_config))
     started = time.perf_counter()
     metrics: dict = {"num-examples": int(len(data.heldout))}
@@ -130,9 +134,11 @@ def evaluate(msg: Message, context: Context) -> Message:
         summary = evaluate_heads(heads, base, data.heldout, batch_size=config.batch_size)
         metrics["loss"] = float(summary["loss"])
         metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
+        measure = bool(msg.content[HEADS_CONFIG_RECORD].get("measure-tau", True))
         tau = decode_tau(base, heads, chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
-                         config.eval_max_new_tokens)
+                         config.eval_max_new_tokens) if measure else None
         if tau is not None:
             metrics["tau"] = tau
     metrics["eval-seconds"] = time.perf_counter() - started
+    device_state.evaluated(context, msg.content[HEADS_CONFIG_RECORD], metrics)
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -12,20 +12,24 @@ from common.heads import DraftHeads
 log = logging.getLogger(__name__)
 
 
-def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int) -> float | None:
+def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int,
+               ngram: bool = True) -> float | None:
     """Mean AMS-LD tau (tokens accepted per base forward, bonus token included) over `prompts`.
 
+    `ngram=False` switches off the decoder's prompt-lookup drafter, so tau measures the heads alone.
     None when there is nothing to decode or the decoder (`common.decoding`) is not available.
     """
     if not prompts or max_new_tokens <= 0:
         return None
     try:
-        from common.decoding import generate
+        from common.decoding import AmsPolicy, generate
     except ImportError:
         log.warning("common.decoding is not available yet: tau not measured")
         return None
     try:
-        taus = [float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens).tau) for p in prompts]
+        policy = AmsPolicy() if ngram else AmsPolicy(ngram=False)
+        taus = [float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens, policy=policy).tau)
+                for p in prompts]
     except Exception:  # noqa: BLE001 - a decoder failure costs this measurement, never the federated run
         log.exception("AMS-LD decoding failed: tau not measured this time")
         return None

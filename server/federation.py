@@ -84,6 +84,7 @@ REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own c
 ROUND_KEY = "server-round"
 RUN_KEY = "fedla-run-id"
 FAIL_KEY = "simulate-failure"
+MEASURE_TAU = "measure-tau"  # evaluate config: decode prompts for tau (the final push skips it on most nodes)
 
 
 # ------------------------------------------------------------------------------------------ round log
@@ -388,11 +389,16 @@ class ServerEval:
         prompts = prompts_from_files(files, base.tokenizer, config.eval_prompts, config.eval_prompt_len)
         return cls(chunks[order[: config.server_eval_chunks]], prompts)
 
-    def run(self, heads: DraftHeads, base: BaseModel, config: FedConfig) -> dict[str, Any]:
+    def run(self, heads: DraftHeads, base: BaseModel, config: FedConfig, heads_only: bool = False) -> dict[str, Any]:
+        """Loss, per-head accuracy and AMS-LD tau; with `heads_only` also tau without the n-gram drafter
+        (what the heads alone contribute: costs another decoding pass, so only done on the last round)."""
         summary = evaluate_heads(heads, base, self.chunks, batch_size=config.batch_size) if len(self.chunks) else \
             {"loss": 0.0, "head_accuracy": [0.0] * heads.num_heads}
         tau = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens)
-        return {"loss": float(summary["loss"]), "head_accuracy": [float(a) for a in summary["head_accuracy"]], "tau": tau}
+        out = {"loss": float(summary["loss"]), "head_accuracy": [float(a) for a in summary["head_accuracy"]], "tau": tau}
+        if heads_only:
+            out["tau_heads_only"] = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens, ngram=False)
+        return out
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -409,18 +415,23 @@ def _jsonable(value: Any) -> Any:
 
 
 def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_round: int,
-                      nodes: list[int], rng: random.Random) -> dict[str, Any]:
-    """Push the global heads to a sample of clients (native ArrayRecord + ConfigRecord) and average their eval."""
-    if config.fraction_evaluate <= 0 or not nodes:
+                      nodes: list[int], rng: random.Random, final: bool = False) -> dict[str, Any]:
+    """Push the global heads (native ArrayRecord + ConfigRecord) to a sample of clients and average their eval.
+
+    After the last round (`final`) the heads go to every node; the sampled ones also measure tau.
+    """
+    if (config.fraction_evaluate <= 0 and not final) or not nodes:
         return {"evaluated": 0}
-    count = max(1, int(math.ceil(config.fraction_evaluate * len(nodes))))
-    targets = sorted(rng.sample(nodes, min(count, len(nodes))))
+    count = max(1, int(math.ceil(config.fraction_evaluate * len(nodes)))) if config.fraction_evaluate > 0 else 0
+    sampled = set(rng.sample(nodes, min(count, len(nodes))))
+    targets = sorted(nodes) if final else sorted(sampled)
     arrays, cfg = heads_records(heads, **{ROUND_KEY: server_round})
-    messages = [
-        Message(RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: copy.deepcopy(cfg)}),
-                dst_node_id=node, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}")
-        for node in targets
-    ]
+    messages = []
+    for node in targets:
+        node_cfg = copy.deepcopy(cfg)
+        node_cfg[MEASURE_TAU] = node in sampled
+        messages.append(Message(RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: node_cfg}),
+                                dst_node_id=node, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}"))
     push_bytes = _array_record_bytes(arrays)
     timeout = config.round_timeout or None
     replies = list(grid.send_and_receive(messages, timeout=timeout))
@@ -449,6 +460,7 @@ def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_r
             taus.append(float(metrics["tau"]))
     return {
         "evaluated": len(replies) - failed - len(rejected),
+        "pushed_to": len(targets),
         "failed": failed + (len(targets) - len(replies)),
         "rejected": rejected,
         "head_accuracy": (accuracy_sum / examples).tolist() if examples else None,
@@ -547,10 +559,12 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
                 log.warning("round %d: global heads unchanged (%s)", server_round, round_log.aggregate_note)
 
             eval_started = time.perf_counter()
-            server_metrics = server_eval.run(heads, base, config)
+            server_metrics = server_eval.run(heads, base, config,
+                                             heads_only=server_round == config.num_server_rounds)
             server_eval_seconds = time.perf_counter() - eval_started
             eval_started = time.perf_counter()
-            client_eval = client_evaluation(guarded, heads, config, server_round, sorted(grid.get_node_ids()), eval_rng)
+            client_eval = client_evaluation(guarded, heads, config, server_round, sorted(grid.get_node_ids()), eval_rng,
+                                            final=server_round == config.num_server_rounds)
             client_eval_seconds = time.perf_counter() - eval_started
 
             ckpt_dir = heads.save(run_dir / "checkpoints" / f"round-{server_round}")
@@ -638,6 +652,7 @@ def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, ser
             "client_tau": client_eval.get("tau"),
         },
         "train": {"loss_source": loss_source, "head_accuracy": train_acc, "server_eval_loss": server_metrics["loss"]},
+        "tau_heads_only": server_metrics.get("tau_heads_only"),
         "participation": {
             "sampled": sampled, "succeeded": succeeded, "dropped": dropped,
             "rejected": round_log.rejected, "failures": {str(n): r for n, r in round_log.failures.items()

@@ -45,6 +45,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     else:
         ax_eps.text(0.5, 0.5, "no DP: epsilon unbounded", ha="center", va="center", transform=ax_eps.transAxes)
         ax_eps.set(title="client epsilon", xlabel="round")
+    for axis in (ax_tau, ax_acc, ax_eps):
+        axis.set_xticks(xs)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "plot.png"

@@ -107,7 +107,8 @@ def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
     head_bytes = sum(a.astype(np.float32).nbytes for a in expected)
     assert head_bytes <= record["bytes"]["down_per_client"] < head_bytes + 4096  # the heads and nothing else
     assert record["bytes"]["up_per_client"] >= 2 * head_bytes  # masked int64 vector
-    assert record["client_eval"]["evaluated"] == 2  # fraction-evaluate 0.5 of 4 nodes got the new heads
+    assert record["client_eval"]["pushed_to"] == 4  # the last round pushes the final heads to every node
+    assert record["client_eval"]["evaluated"] == 4
     assert (run_dir / "checkpoints" / "round-1" / "heads.safetensors").is_file()
     assert summary["checkpoints"][0]["head_version"] == 1
     assert (run_dir / "plot.png").is_file()

@@ -1,0 +1,148 @@
+"""Federated benchmark, side by side in one run: `python -m simulations.bench_federated`.
+
+1. Local training time of one client, with and without Opacus (same data, same initial heads, the
+   noise multiplier calibrated beforehand so only training is timed).
+2. Round time with and without SecAgg+ at 10 clients: the real ServerApp loop and ClientApp over
+   the in-process grid (clients run one after another in this process, so the numbers are the
+   sum of client work plus protocol cost, without simulation-runtime noise), for the scenario's
+   workload and for a near-empty local workload that exposes the protocol overhead alone.
+3. Bytes per client per round for the heads (measured on the wire: float32 heads down, SecAgg+
+   masked int64 vector up) versus the full base model (computed from its parameter count with the
+   same encodings).
+
+Prints JSON and a table; writes runs/bench-federated.json. Options: --clients, --reps, --scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def local_training(config_overrides: dict, reps: int) -> dict:
+    from client.privacy import PrivacyState, choose_noise_multiplier, plan, train_round
+    from client.task import cached_base, client_data
+    from common.fedconfig import FedConfig
+    from common.heads import DraftHeads
+
+    times: dict[str, list[float]] = {"dp": [], "plain": []}
+    for rep in range(reps):
+        for mode in ("plain", "dp"):
+            config = FedConfig.from_mapping(dict(config_overrides, dp=(mode == "dp")))
+            base = cached_base(config)
+            data = client_data(config, base, {"partition-id": 0, "num-partitions": 10})
+            q, steps = plan(config, len(data.train))
+            choose_noise_multiplier(config, q, steps)  # calibrated (and cached) outside the timing
+            torch.manual_seed(rep)
+            heads = DraftHeads.fresh(base, config.num_heads)
+            result = train_round(heads, base, data.train, config, PrivacyState(f"bench-{rep}"))
+            times[mode].append(result.seconds)
+    return {
+        "chunks": int(len(data.train)), "chunk_len": config.chunk_len, "batch_size": config.batch_size,
+        "q": q, "steps": steps,
+        "plain_seconds": times["plain"], "dp_seconds": times["dp"],
+        "ratio_dp_over_plain_median": statistics.median(times["dp"]) / statistics.median(times["plain"]),
+    }
+
+
+def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
+    from flwr.app import Context, RecordDict
+
+    from client.client_app import app as client_app
+    from common.fedconfig import FedConfig
+    from server.federation import run_federation
+    from server.inprocess import InProcessGrid
+
+    with tempfile.TemporaryDirectory(prefix="fedla-bench-") as tmp:
+        run_config = dict(config_overrides, secagg=secagg, **{
+            "num-server-rounds": 1, "run-dir": tmp, "run-id": f"bench-{'secagg' if secagg else 'plain'}",
+            "min-train-clients": clients, "min-available-clients": clients, "fraction-evaluate": 0.0,
+            "eval-max-new-tokens": 0, "server-eval-chunks": 8, "node-wait-seconds": 0.0})
+        grid = InProcessGrid(client_app, clients, run_config)
+        context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+        run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
+        record = json.loads((run_dir / "rounds" / "round-1.json").read_text())
+        run_info = json.loads((run_dir / "run.json").read_text())
+    return {"fit_seconds": record["seconds"]["fit"], "round_seconds": record["wall_seconds"],
+            "client_seconds_sum": sum(grid.client_seconds.values()),
+            "aggregated": record["aggregated"], "succeeded": record["participation"]["succeeded"],
+            "bytes": record["bytes"], "head_bytes": run_info["head_bytes"],
+            "head_parameters": run_info["head_parameters"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--scenario", default="iid-10")
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench-federated.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    from simulations.run import load_scenario
+
+    workload = {k: v for k, v in load_scenario(args.scenario)["run-config"].items()
+                if k in ("chunk-len", "max-chunks-per-client", "batch-size", "lr", "num-heads", "partitioning",
+                         "dp-target-epsilon", "dp-delta", "num-server-rounds", "local-epochs")}
+    started = time.perf_counter()
+    report: dict = {"scenario": args.scenario, "workload": workload, "clients": args.clients,
+                    "torch_threads": torch.get_num_threads()}
+    report["local_training"] = local_training(workload, args.reps)
+    light = dict(workload, **{"max-chunks-per-client": 16})
+    rounds = {}
+    for name, overrides in (("workload", workload), ("light", light)):
+        plain = federated_round(overrides, args.clients, secagg=False)
+        secure = federated_round(overrides, args.clients, secagg=True)
+        rounds[name] = {"plain": plain, "secagg": secure,
+                        "ratio_fit_secagg_over_plain": secure["fit_seconds"] / plain["fit_seconds"],
+                        "secagg_overhead_seconds": secure["fit_seconds"] - plain["fit_seconds"]}
+    report["rounds"] = rounds
+
+    from client.task import base_dir
+    from common.base import load_base
+    from common.fedconfig import FedConfig
+
+    base = load_base(base_dir(FedConfig.from_mapping(workload)), device="cpu")
+    base_params = sum(p.numel() for p in base.model.parameters())
+    secure_bytes = rounds["workload"]["secagg"]["bytes"]
+    report["bytes_per_client_per_round"] = {
+        "heads_measured": {"down": secure_bytes["down_per_client"], "up_secagg": secure_bytes["up_per_client"],
+                           "total": secure_bytes["down_per_client"] + secure_bytes["up_per_client"]},
+        "full_base_computed": {"parameters": base_params, "down_float32": base_params * 4,
+                               "up_secagg_int64": base_params * 8 + 8, "total": base_params * 12 + 8},
+        "head_parameters": rounds["workload"]["secagg"]["head_parameters"],
+    }
+    heads_total = report["bytes_per_client_per_round"]["heads_measured"]["total"]
+    report["bytes_per_client_per_round"]["ratio_full_over_heads"] = (base_params * 12 + 8) / heads_total
+    report["seconds"] = time.perf_counter() - started
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    lt, b = report["local_training"], report["bytes_per_client_per_round"]
+    print("\nmeasurement                                   value")
+    print(f"local training, plain (s, median)             {statistics.median(lt['plain_seconds']):.1f}")
+    print(f"local training, Opacus DP (s, median)         {statistics.median(lt['dp_seconds']):.1f}")
+    print(f"  ratio DP / plain                            {lt['ratio_dp_over_plain_median']:.2f}  (goal <= 2.5)")
+    for name in ("workload", "light"):
+        r = rounds[name]
+        print(f"round fit time, {name:<8} plain FedAvg (s)      {r['plain']['fit_seconds']:.1f}")
+        print(f"round fit time, {name:<8} SecAgg+ (s)           {r['secagg']['fit_seconds']:.1f}")
+        print(f"  ratio SecAgg+ / plain                       {r['ratio_fit_secagg_over_plain']:.2f}"
+              + ("  (goal <= 1.5)" if name == "workload" else "  (protocol overhead alone)"))
+    print(f"bytes/client/round, heads (down+up)           {b['heads_measured']['total']:,}")
+    print(f"bytes/client/round, full base (down+up)       {b['full_base_computed']['total']:,}")
+    print(f"  ratio full / heads                          {b['ratio_full_over_heads']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
