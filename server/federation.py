@@ -233,8 +233,16 @@ class HeadsStrategy(Strategy):
 
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
         available = client_manager.num_available()
+        deadline = time.monotonic() + self.config.node_wait_seconds
+        while available < self.config.min_train_clients and time.monotonic() < deadline:
+            time.sleep(1.0)  # nodes left since round 1: give them node-wait-seconds to come back
+            available = client_manager.num_available()
+        if available < self.config.min_train_clients:
+            raise FedLookaheadError(f"round {server_round}: only {available} node(s) connected, fewer than "
+                                    f"min-train-clients ({self.config.min_train_clients})")
         wanted = min(self.config.clients_this_round(available), available)
-        clients = client_manager.sample(num_clients=wanted, min_num_clients=self.config.min_available_clients)
+        # min_num_clients = what is there: Flower's sample() would otherwise block for up to a day
+        clients = client_manager.sample(num_clients=wanted, min_num_clients=wanted)
         log_ = self.grid.round_log
         log_.sampled = [c.node_id for c in clients]
         failing: set[int] = set()
