@@ -179,11 +179,14 @@ def bench_decode_cmd(
     max_new_tokens: int = typer.Option(128, min=1),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    threads: int = typer.Option(0, min=0, help="CPU threads for every mode (0: torch's default)."),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
     from common.bench import decode_benchmark, format_table
     from common.data import prompts_from_files, stdlib_files, text_files
 
+    if threads:
+        torch.set_num_threads(threads)
     try:
         model = open_base(base, device)
         files = text_files(data) if data else stdlib_files("heldout")

@@ -23,6 +23,7 @@ from common.decoding import (
     AmsPolicy,
     DecodingFallbackWarning,
     DegenerationGuard,
+    HeadsTreeDrafter,
     NgramIndex,
     generate,
     load_heads,
@@ -33,6 +34,7 @@ from common.decoding.tree import (
     attention_mask_4d,
     build_tree_spec,
     greedy_accept,
+    greedy_verify,
     keep_cache_path,
     position_ids,
     sample_accept,
@@ -115,7 +117,7 @@ def test_ams_greedy_equals_hf_greedy_property(models):
     source and for varied tree policies: AMS-LD greedy == transformers greedy, token for token."""
     taus: list[float] = []
 
-    @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
     @given(
         arch=st.sampled_from(ARCHS),
         prompt=st.lists(st.integers(1, TINY_VOCAB - 1), min_size=1, max_size=32),
@@ -199,13 +201,29 @@ def test_greedy_accept_picks_deepest_agreeing_node():
     tokens = torch.tensor([9, 11, 12, 13, 14, 15])
     # The base picks 12 after the root (node 2), then 14 after node 2 (node 4), then 7 after node 4 (not drafted).
     choices = torch.tensor([12, 0, 14, 0, 7, 0])
-    assert int(greedy_accept(spec, tokens, choices)) == 4
-    # Node 5 would match after node 4, but that does not matter once node 4 is the end of the path... unless it matches:
+    assert int(greedy_accept(spec, tokens, choices[spec.parent_t])) == 4
+    # Once the base also picks node 5's token after node 4, the path extends to node 5.
     choices[4] = 15
-    assert int(greedy_accept(spec, tokens, choices)) == 5
+    assert int(greedy_accept(spec, tokens, choices[spec.parent_t])) == 5
     # The base disagrees with every child of the root: only the root is kept.
     choices[0] = 3
-    assert int(greedy_accept(spec, tokens, choices)) == 0
+    assert int(greedy_accept(spec, tokens, choices[spec.parent_t])) == 0
+    assert spec.internal.tolist() == [0, 1, 2, 4]
+    assert spec.internal[spec.parent_slot[1:]].tolist() == list(spec.parents[1:])
+
+
+def test_greedy_verify_uses_the_lm_head_on_internal_nodes_only():
+    spec = build_tree_spec((-1, 0, 0, 1, 2, 4), torch.float32, torch.device("cpu"))
+    lm_head = torch.nn.Linear(4, 20, bias=False)
+    hidden = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    choices = lm_head(hidden).argmax(-1)
+    tokens = torch.tensor([9, 1, 2, 3, 4, 5])
+    tokens[2] = choices[0]  # node 2 is what the base picks after the root
+    tokens[4] = choices[2]  # and node 4 after node 2
+    tokens[1] = (choices[0] + 1) % 20
+    tokens[5] = (choices[4] + 1) % 20
+    best, bonus = greedy_verify(spec, tokens, hidden, lm_head)
+    assert int(best) == 4 and int(bonus) == int(choices[4])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -462,6 +480,50 @@ def test_eos_stops_generation(models):
         assert hf_greedy(base, prompt, 10) == result.tokens
     finally:
         base.model.generation_config.eos_token_id = base.tokenizer.eos_token_id
+
+
+def test_drafter_packed_heads_equal_draft_heads_forward(models):
+    base, heads, _ = models["qwen2"]
+    for depth in (0, 2):
+        drafter = HeadsTreeDrafter(heads, AmsPolicy(max_depth=depth))
+        hidden, token = torch.randn(base.hidden_size), torch.tensor(17)
+        reference = heads(hidden.view(1, -1), token.view(1))[0, : drafter.head_depth]
+        torch.testing.assert_close(drafter._head_logits(hidden, token), reference, atol=1e-4, rtol=1e-4)
+        values = drafter.draft_inputs(hidden, token).tolist()
+        k = drafter.top_k
+        assert values[:k] == reference[0].topk(k).indices.tolist()
+
+
+def test_drafter_tree_respects_budget_depth_and_confidence(models):
+    base, heads, _ = models["llama"]
+    k, depth = 3, heads.num_heads
+    # Synthetic head outputs: head d's candidates are tokens 10d..10d+2 with probabilities 0.6, 0.3, 0.1.
+    tokens = [float(10 * d + r) for d in range(depth) for r in range(k)]
+    logp = [float(torch.tensor(p).log()) for _ in range(depth) for p in (0.6, 0.3, 0.1)]
+    for nodes, min_prob, max_depth in [(5, 0.0, 9), (40, 0.05, 9), (40, 0.0, 2)]:
+        drafter = HeadsTreeDrafter(heads, AmsPolicy(top_k=k, init_nodes=nodes, max_nodes=max(nodes, 48),
+                                                    min_path_prob=min_prob, ngram=False))
+        tree, parents = drafter.propose(7, tokens + logp, [1, 2, 7], max_depth=max_depth)
+        spec = build_tree_spec(parents, torch.float32, torch.device("cpu"))
+        assert tree[0] == 7 and len(tree) - 1 <= nodes and spec.max_depth <= min(max_depth, depth)
+        for node, path in enumerate(spec.paths[1:], start=1):
+            d = len(path) - 1
+            assert tree[node] // 10 == d - 1  # depth-d nodes are head d's candidates
+            confidence = 1.0
+            for j in path[1:]:
+                confidence *= (0.6, 0.3, 0.1)[tree[j] % 10]
+            assert confidence >= min_prob
+        if nodes == 5:  # best-first: the five most confident paths
+            assert tree[1:] == [0, 10, 1, 20, 11]
+
+
+def test_policy_validation():
+    with pytest.raises(ValueError):
+        AmsPolicy(min_nodes=10, init_nodes=5)
+    with pytest.raises(ValueError):
+        AmsPolicy(min_path_prob=1.5)
+    with pytest.raises(ValueError):
+        AmsPolicy(ngram_min_len=0)
 
 
 def test_ngram_index_continues_the_most_recent_match():

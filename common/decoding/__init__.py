@@ -39,6 +39,7 @@ from common.decoding.drafting import AmsPolicy, Drafter, HeadsTreeDrafter, Ngram
 from common.heads import DraftHeads
 
 MODES = ("ams", "greedy", "beam", "fused")
+TREE_ATTENTION = ("eager", "sdpa")  # attention implementations that accept the tree's 4D additive mask
 
 __all__ = [
     "MODES",
@@ -126,6 +127,11 @@ def generate(
         heads = _usable_heads(heads, base, mode)
         if heads is None:
             mode = "greedy"
+    attention = getattr(base.model.config, "_attn_implementation", "eager")
+    if mode == "ams" and attention not in TREE_ATTENTION:
+        warnings.warn(f"AMS-LD needs an attention implementation that takes a 4D float mask ({', '.join(TREE_ATTENTION)}), "
+                      f"not {attention!r}; using greedy decoding", DecodingFallbackWarning, stacklevel=2)
+        mode = "greedy"
     room = base.max_positions - ids.shape[1]
     stopper = Stopper(base, max_new_tokens, stop_strings, degeneration_guard, room)
     generator = make_generator(base.device, seed)

@@ -16,10 +16,12 @@ from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
 from common.decoding.tree import (
     TreeSpecCache,
     attention_mask_4d,
-    greedy_accept,
+    greedy_verify,
     keep_cache_path,
     position_ids,
+    row,
     sample_accept,
+    to_device,
 )
 from common.heads import DraftHeads
 
@@ -88,19 +90,16 @@ def ams_decode(
         past = runner.length
         tree_tokens, parents = drafter.propose(root, values, context, max_depth=max_positions - 1 - past)
         spec = specs.get(parents)
-        tokens_t = torch.tensor(tree_tokens, dtype=torch.long, device=device)
+        tokens_t = to_device(tree_tokens, device)
         hidden = runner.forward(tokens_t.view(1, -1), attention_mask_4d(spec, past), position_ids(spec, past))[0]
         forwards += 1
-        logits = runner.logits(hidden)  # (q, V)
         if sampling:
-            probs = sampling_probs(logits, temperature, top_p)
+            probs = sampling_probs(runner.logits(hidden), temperature, top_p)  # (q, V)
             uniforms = torch.rand(spec.size, generator=generator, device=device, dtype=probs.dtype)
             best, bonus = sample_accept(spec, tokens_t, probs, uniforms, generator)
         else:
-            choices = logits.argmax(-1)
-            best = greedy_accept(spec, tokens_t, choices)
-            bonus = choices[best]
-        draft = drafter.draft_inputs(hidden[best], bonus)
+            best, bonus = greedy_verify(spec, tokens_t, hidden, runner.lm_head)
+        draft = drafter.draft_inputs(row(hidden, best), bonus)
         packed = torch.cat([torch.stack([best, bonus]).double(), draft]).tolist()  # the step's one sync
         path = spec.paths[int(packed[0])]
         root, values = int(packed[1]), packed[2:]

@@ -36,7 +36,9 @@ class AmsPolicy:
     [`min_nodes`, `max_nodes`]. The n-gram source (prompt lookup over the prompt and the output so
     far) adds one chain of candidates when the first head is unsure (top-1 probability below
     `ngram_trigger`; 1.0 = always); its length follows transformers' heuristic schedule (+2 after
-    full acceptance, -1 otherwise) within [`ngram_min_len`, `ngram_max_len`].
+    full acceptance, -1 otherwise) within [`ngram_min_len`, `ngram_max_len`]. Right after the n-gram
+    chain was accepted in full (typically inside a repetition) the heads get only
+    `ngram_confident_nodes` nodes: the chain is the likely path and extra nodes cost compute.
 
     `fused_alpha` and `fused_top_m` belong to the separate, output-changing "fused" mode, and
     `beam_width` to the beam-search baseline.
@@ -56,6 +58,7 @@ class AmsPolicy:
     ngram_init_len: int = 8
     ngram_min_len: int = 2
     ngram_max_len: int = 24
+    ngram_confident_nodes: int = 4
     fused_alpha: float = 0.5
     fused_top_m: int = 4
     beam_width: int = 4
@@ -146,11 +149,38 @@ class HeadsTreeDrafter:
         self.ngram_len = policy.ngram_init_len
         self._tree_depth = 0
         self._chain: list[int] = []
+        self._chain_hit = False
         self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0}
+        self._packed = self._pack_heads(heads, depth) if heads is not None and depth > 0 else None
+
+    @staticmethod
+    def _pack_heads(heads: DraftHeads, depth: int) -> tuple[torch.Tensor, ...]:
+        """The heads' weights rearranged so one step costs a handful of kernels instead of one per head.
+
+        fused = W_f [E(x); h] + b_f;  states_k = fused + SiLU(W_k fused + b_k) for k < depth, as
+        DraftHeads.forward computes them, with the K residual blocks stacked into one matrix.
+        """
+        with torch.no_grad():
+            proj = heads.fusion.proj
+            blocks = list(heads.lookahead.blocks)[:depth]
+            stacked_w = torch.cat([b.linear.weight for b in blocks], dim=0)  # (depth*d, d)
+            stacked_b = torch.cat([b.linear.bias for b in blocks], dim=0)
+            return (proj.weight.detach(), proj.bias.detach(), stacked_w.detach(), stacked_b.detach())
+
+    def _head_logits(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """(depth, V) logits of the first `depth` heads for one position (same maths as DraftHeads.forward)."""
+        heads = self.heads
+        w_f, b_f, w_k, b_k = self._packed
+        dtype = w_f.dtype
+        x = torch.cat([heads.embed(token.view(1)).to(dtype)[0], hidden.to(dtype)])
+        fused = torch.addmv(b_f, w_f, x)  # (d,)
+        states = fused + torch.nn.functional.silu(torch.addmv(b_k, w_k, fused)).view(self.head_depth, -1)
+        return heads.lm_head(states.to(heads.lm_head.weight.dtype))
 
     def reset(self, context: Sequence[int]) -> None:
         self.nodes = float(self.policy.init_nodes)
         self.ngram_len = self.policy.ngram_init_len
+        self._chain, self._chain_hit, self._tree_depth = [], False, 0
         if self.ngram is not None:
             self.ngram = NgramIndex(self.policy.ngram_sizes)
         self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0}
@@ -159,7 +189,7 @@ class HeadsTreeDrafter:
         """Device tensor [K*k tokens, K*k log-probs] of the heads' top candidates (no sync)."""
         if self.heads is None or self.head_depth == 0:
             return hidden.new_zeros(0, dtype=torch.float64)
-        logits = self.heads(hidden.view(1, -1), token.view(1))[0, : self.head_depth].float()  # (K, V)
+        logits = self._head_logits(hidden, token).float()  # (K, V)
         top = torch.topk(logits, self.top_k, dim=-1)
         logp = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
         return torch.cat([top.indices.flatten().double(), logp.flatten().double()])
@@ -179,7 +209,7 @@ class HeadsTreeDrafter:
             tok = [int(v) for v in values[:n_values]]
             lp = values[n_values:]
             head_top1 = math.exp(lp[0])
-            budget = int(self.nodes)
+            budget = int(self.nodes) if not self._chain_hit else min(int(self.nodes), self.policy.ngram_confident_nodes)
             log_min = self.log_min
             # Best-first over the lattice: entries (-score, parent node, depth of the candidate, rank).
             heap = [(-lp[0], 0, 1, 0)]
@@ -234,8 +264,9 @@ class HeadsTreeDrafter:
         elif n == 0:
             self.nodes = max(float(policy.min_nodes), self.nodes * policy.shrink)
         chain = self._chain
+        self._chain_hit = bool(chain) and list(accepted[: len(chain)]) == chain
         if chain:
-            if list(accepted[: len(chain)]) == chain:
+            if self._chain_hit:
                 self.ngram_len = min(policy.ngram_max_len, self.ngram_len + 2)
             else:
                 self.ngram_len = max(policy.ngram_min_len, self.ngram_len - 1)

@@ -33,6 +33,8 @@ class TreeSpec:
     depth_t    (q,) depths as a long tensor
     is_root    (q,) bool, true for node 0 only
     earlier_sibling  (q, q) bool: j is a sibling of i that comes before i in the node order
+    internal   (n,) indices of the nodes that have children (the only ones whose next-token choice
+               verification needs); parent_slot (q,) each node's parent's position in `internal`
     """
 
     parents: tuple[int, ...]
@@ -44,6 +46,8 @@ class TreeSpec:
     depth_t: torch.Tensor
     is_root: torch.Tensor
     earlier_sibling: torch.Tensor
+    internal: torch.Tensor
+    parent_slot: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -83,16 +87,27 @@ def build_tree_spec(parents: Sequence[int], dtype: torch.dtype, device: torch.de
     is_root[0] = True
     siblings = (parent_t.view(1, q) == parent_t.view(q, 1)) & ~is_root.view(1, q) & ~is_root.view(q, 1)
     earlier_sibling = siblings & torch.ones(q, q, dtype=torch.bool).tril(-1)
+    internal = sorted(set(parents[1:]))
+    slot = {node: i for i, node in enumerate(internal)}
+    parent_slot = [0] + [slot[p] for p in parents[1:]]
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(device, non_blocking=True)
+
     return TreeSpec(
         parents=parents,
         depths=depths,
         paths=paths,
-        bias=bias.to(device),
-        ancestors=ancestors.to(device),
-        parent_t=parent_t.to(device),
-        depth_t=torch.tensor(depths, dtype=torch.long, device=device),
-        is_root=is_root.to(device),
-        earlier_sibling=earlier_sibling.to(device),
+        bias=move(bias),
+        ancestors=move(ancestors),
+        parent_t=move(parent_t),
+        depth_t=move(torch.tensor(depths, dtype=torch.long)),
+        is_root=move(is_root),
+        earlier_sibling=move(earlier_sibling),
+        internal=move(torch.tensor(internal, dtype=torch.long)),
+        parent_slot=move(torch.tensor(parent_slot, dtype=torch.long)),
     )
 
 
@@ -115,6 +130,18 @@ class TreeSpecCache:
         return spec
 
 
+def row(matrix: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """matrix[index] for a 0-d device index tensor without a host sync (plain indexing may sync on CUDA)."""
+    return matrix.index_select(0, index.view(1))[0]
+
+
+def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A long tensor on `device`; on CUDA copied from pinned memory asynchronously (no stream sync)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.long)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 def attention_mask_4d(spec: TreeSpec, past: int) -> torch.Tensor:
     """The float additive mask (1, 1, q, past + q): every node sees the whole cached prefix and its ancestors."""
     q = spec.size
@@ -129,18 +156,36 @@ def position_ids(spec: TreeSpec, past: int) -> torch.Tensor:
     return (spec.depth_t + past).view(1, -1)
 
 
-def greedy_accept(spec: TreeSpec, tokens: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+def greedy_accept(spec: TreeSpec, tokens: torch.Tensor, parent_choices: torch.Tensor) -> torch.Tensor:
     """Deepest node whose whole path agrees with the base's argmax choices (device tensor, no sync).
 
-    tokens   (q,) drafted token of every node (root included)
-    choices  (q,) the base's argmax after every node
+    tokens          (q,) drafted token of every node (root included)
+    parent_choices  (q,) the base's argmax after each node's parent (the root's entry is ignored)
     A node is accepted when every non-root node on its path carries the token the base chose after
     that node's parent. Siblings carry distinct tokens, so at most one node per depth is accepted
     and the deepest accepted node is unique.
     """
-    agrees = (tokens == choices[spec.parent_t]) | spec.is_root
+    agrees = (tokens == parent_choices) | spec.is_root
     accepted = ~(spec.ancestors & ~agrees).any(dim=-1)
     return (accepted * (spec.depth_t + 1)).argmax()
+
+
+def greedy_verify(
+    spec: TreeSpec, tokens: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a tree from the base's hidden states (q, d): (deepest accepted node, bonus token).
+
+    Only nodes with children need the base's choice to check their children, so the LM head runs on
+    those rows, plus one row for the bonus token after the accepted node: leaves cost no LM-head
+    work unless accepted. All device tensors, no synchronisation.
+    """
+    if spec.size == 1:
+        best = spec.depth_t[0]  # the root (index 0) as a device scalar
+    else:
+        choices = lm_head(hidden.index_select(0, spec.internal)).argmax(-1)
+        best = greedy_accept(spec, tokens, choices[spec.parent_slot])
+    bonus = lm_head(row(hidden, best)).argmax(-1)
+    return best, bonus
 
 
 def sample_accept(
@@ -176,9 +221,10 @@ def sample_accept(
     # Bonus token: from the distribution at `best` with its children's tokens removed (all were rejected).
     children_of_best = (parent == best) & ~spec.is_root
     removed = torch.zeros_like(probs[0]).index_add_(0, tokens, children_of_best.to(probs.dtype)).clamp_max_(1.0)
-    residual = probs[best] * (1.0 - removed)
+    at_best = row(probs, best)
+    residual = at_best * (1.0 - removed)
     total = residual.sum()
-    residual = torch.where(total > 0, residual, probs[best])  # rounding guard: cannot happen in exact arithmetic
+    residual = torch.where(total > 0, residual, at_best)  # rounding guard: cannot happen in exact arithmetic
     bonus = torch.multinomial(residual, 1, generator=generator).view(())
     return best, bonus
 
@@ -197,7 +243,7 @@ def keep_cache_path(cache: DynamicCache, past: int, path: Sequence[int]) -> None
         keys, values = layer.keys, layer.values
         if not contiguous:
             if index is None:
-                index = torch.tensor(path, dtype=torch.long, device=keys.device) + past
+                index = to_device(path, keys.device) + past
             keys[..., past : past + m, :] = keys.index_select(-2, index)
             values[..., past : past + m, :] = values.index_select(-2, index)
         layer.keys = keys[..., : past + m, :]
