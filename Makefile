@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/fedla demo
+	$(PY) -m simulations.demo
 
 test: install
 	$(PY) -m pytest -q
