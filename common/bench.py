@@ -12,6 +12,7 @@ tokens `generate` produces (both stop at EOS or max_new_tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
+# Ablations of AMS-LD that can be added with `modes`: each source of candidates on its own.
+ABLATIONS = {
+    "ams_heads_only": {"ngram": False},
+    "ams_ngram_only": {"heads": False},
+}
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
@@ -73,6 +79,9 @@ def run_mode(
         return hf_generate(base, ids, max_new_tokens)
     if mode == "hf_prompt_lookup":
         return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS)
+    if mode in ABLATIONS:
+        policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
+        mode = "ams"
     result = generate(
         base, ids, mode=mode, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy
     )
@@ -91,6 +100,9 @@ def decode_benchmark(
     """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
     if "hf_greedy" not in modes:
         raise ValueError("the benchmark needs the hf_greedy reference mode")
+    unknown = set(modes) - set(BENCH_MODES) - set(ABLATIONS)
+    if unknown:
+        raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(BENCH_MODES + tuple(ABLATIONS))}")
     ids_list = [p.view(1, -1).to(base.device) for p in prompts]
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
         run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy)

@@ -180,6 +180,8 @@ def bench_decode_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, min=0, help="CPU threads for every mode (0: torch's default)."),
+    modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams",
+                              help="Comma-separated; ablations: ams_heads_only, ams_ngram_only."),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
     from common.bench import decode_benchmark, format_table
@@ -196,8 +198,8 @@ def bench_decode_cmd(
         draft_heads = _decoding_heads(heads, model, "ams")
         if draft_heads is None:
             typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
-        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens)
-    except FedLookaheadError as exc:
+        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")))
+    except (FedLookaheadError, ValueError) as exc:
         fail(str(exc))
     typer.echo(format_table(summary))
     if json_out is not None:
