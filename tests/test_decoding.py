@@ -409,6 +409,17 @@ def test_fallback_to_greedy_with_a_warning(models, tmp_path):
     assert load_heads(tmp_path / "own", base) is not None
 
 
+def test_heads_of_another_instance_of_the_same_checkpoint_are_rebound(tiny_base_dir):
+    first, second = (load_base(tiny_base_dir, device="cpu") for _ in range(2))
+    heads = noisy_heads(first, seed=1)
+    prompt = torch.tensor([5, 6, 7, 8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DecodingFallbackWarning)
+        result = generate(second, prompt, heads=heads, max_new_tokens=20, degeneration_guard=False)
+    assert result.mode == "ams"
+    assert result.tokens == generate(second, prompt, mode="greedy", max_new_tokens=20, degeneration_guard=False).tokens
+
+
 def test_prompt_and_argument_errors(models):
     base = models["llama"][0]
     with pytest.raises(FedLookaheadError, match="empty prompt"):
