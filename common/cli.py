@@ -179,7 +179,8 @@ def bench_decode_cmd(
     max_new_tokens: int = typer.Option(128, min=1),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    threads: int = typer.Option(0, min=0, help="CPU threads for every mode (0: torch's default)."),
+    threads: int = typer.Option(1, min=0, help="CPU threads for every mode (0: torch's default). "
+                                "One is fastest for small models and stable on a shared machine."),
     modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams",
                               help="Comma-separated; ablations: ams_heads_only, ams_ngram_only."),
 ) -> None:
