@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--epochs", type=int, help="default: rounds x local epochs of the scenario")
     parser.add_argument("--out")
+    parser.add_argument("--reuse", metavar="HEADS_DIR", help="evaluate these saved central heads instead of training")
     parser.add_argument("--compare", action="append", default=[], metavar="RUN_DIR",
                         help="also evaluate the last checkpoint of these federated runs the same way")
     args = parser.parse_args(argv)
@@ -50,12 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     report = {"scenario": args.scenario, "train_chunks": int(len(chunks)), "chunk_len": config.chunk_len,
               "epochs": epochs, "lr": config.lr, "batch_size": config.batch_size,
               "fresh": evaluation.run(fresh, base, config, heads_only=True)}
-    heads = DraftHeads.fresh(base, config.num_heads)
-    started = time.perf_counter()
-    history = train_heads(heads, base, chunks, epochs=epochs, lr=config.lr, batch_size=config.batch_size,
-                          seed=config.seed)
-    report["train_seconds"] = time.perf_counter() - started
-    report["train"] = history[-1]
+    if args.reuse:
+        heads = DraftHeads.load(args.reuse, base)
+        report["reused"] = args.reuse
+    else:
+        heads = DraftHeads.fresh(base, config.num_heads)
+        started = time.perf_counter()
+        history = train_heads(heads, base, chunks, epochs=epochs, lr=config.lr, batch_size=config.batch_size,
+                              seed=config.seed)
+        report["train_seconds"] = time.perf_counter() - started
+        report["train"] = history[-1]
     report["central"] = evaluation.run(heads, base, config, heads_only=True)
     from server.federation import latest_checkpoint
 
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         report["federated"][str(run_dir)] = {"round": found[0], **federated, "ratio_to_central": ratios}
     out = Path(args.out or REPO / "runs" / f"central-{args.scenario}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    heads.save(out.with_suffix(""))
+    if not args.reuse:
+        heads.save(out.with_suffix(""))
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0
