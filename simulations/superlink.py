@@ -15,11 +15,9 @@ the processes it started (the SuperLink and its descendants: SuperExec, simulati
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,46 +27,13 @@ from pathlib import Path
 
 import httpx
 
+# process helpers shared with the deployment SuperLink (server/deploy.py) and the device daemon
+from common.procs import alive as _alive
+from common.procs import config_args, toml_value  # noqa: F401 - re-exported for callers of this module
+from common.procs import descendants as _descendants
+from common.procs import free_port as _free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def config_args(values: dict) -> str:
-    """`k=v k2=v2` in Flower's --run-config / --federation-config syntax (TOML values)."""
-    return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
-
-
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of `pid` (from /proc), children first discovered, deepest last."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class LocalSuperLink:
@@ -175,14 +140,3 @@ class LocalSuperLink:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
