@@ -15,6 +15,7 @@ with a MetricRecord.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import flwr.compat.common.recorddict_compat as compat
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -25,22 +26,14 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from client import state as device_state
-from client.privacy import load_state, save_state, state_file, train_round
-from client.task import cached_base, client_data
-from common.base import FedLookaheadError
-from common.fedconfig import FedConfig
-from common.fedeval import chunk_prompts, decode_tau
-from common.params import (
-    HEADS_CONFIG_RECORD,
-    HEADS_RECORD,
-    expected_shapes,
-    heads_from_config,
-    heads_from_records,
-    heads_to_ndarrays,
-    load_ndarrays,
-    validate_update,
-)
-from common.training import evaluate_heads
+
+# torch, transformers, Opacus and datasets are imported inside the handlers, not here: a deployed
+# SuperNode starts one ClientApp process per message, and the SecAgg+ key-exchange and unmasking
+# stages (handled by the mod alone) would otherwise pay ~7 s of imports each on a small CPU.
+HEADS_RECORD = "heads"  # = common.params.HEADS_RECORD
+HEADS_CONFIG_RECORD = "heads-config"  # = common.params.HEADS_CONFIG_RECORD
+if TYPE_CHECKING:
+    from common.fedconfig import FedConfig
 
 
 # Keys the server adds to the train config next to the heads' own (common.params)
@@ -61,11 +54,18 @@ def secaggplus_when_needed(msg: Message, context: Context, call_next):
 
 
 def client_config(context: Context) -> FedConfig:
+    from common.fedconfig import FedConfig
+
     return FedConfig.from_mapping(context.run_config, context.node_config)
 
 
 def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
+    from client.privacy import load_state, save_state, state_file, train_round
+    from client.task import cached_base, client_data
+    from common.base import FedLookaheadError
+    from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
+
     config = client_config(context)
     if fit_config.get(FAIL):
         raise SimulatedDropout(f"simulated dropout in round {fit_config.get(ROUND)} (dropout-rate={config.dropout_rate})")
@@ -123,6 +123,11 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    from client.task import cached_base, client_data
+    from common.fedeval import chunk_prompts, decode_tau
+    from common.params import heads_from_records
+    from common.training import evaluate_heads
+
     config = client_config(context)
     base = cached_base(config)
     heads = heads_from_records(msg.content[HEADS_RECORD], msg.content[HEADS_CONFIG_RECORD], base)
