@@ -240,3 +240,78 @@ def dashboard_screenshot_cmd(
     except (ValueError, RuntimeError) as exc:
         fail(str(exc))
 
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the daemons this process started are stopped by pid."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+@app.command("server")
+def server_cmd(
+    certs: Optional[Path] = typer.Option(None, help="Folder with ca.crt, server.pem, server.key (simulations/make_certs.py)."),
+    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate (instead of --certs)."),
+    ssl_certfile: Optional[Path] = typer.Option(None, help="SuperLink TLS certificate (instead of --certs)."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, help="SuperLink TLS private key (instead of --certs)."),
+    host: str = typer.Option("127.0.0.1", help="Bind address; 0.0.0.0 to serve devices on the network."),
+    port: int = typer.Option(9092, min=1, max=65535, help="The one HTTPS port for Fleet, Control and ServerAppIo APIs."),
+    register: list[Path] = typer.Option([], help="SuperNode public key (.pub) or folder of them to authorise (repeatable)."),
+    run_config: str = typer.Option("", help="Run config overrides, `k=v ...` (keys of [tool.flwr.app.config])."),
+    state_dir: Optional[Path] = typer.Option(None, help="SuperLink database, FLWR_HOME, logs (default: <cache>/server)."),
+    app_dir: Optional[Path] = typer.Option(None, "--app", help="Flower app folder (default: this checkout)."),
+    run: bool = typer.Option(True, "--run/--no-run", help="Submit the FedLookahead run (or only serve)."),
+    keep_running: bool = typer.Option(False, help="Keep serving after the run ends (Ctrl-C stops)."),
+    run_timeout: Optional[float] = typer.Option(None, help="Stop waiting for the run after this many seconds."),
+) -> None:
+    """Deployment SuperLink with TLS + SuperNode authentication, then the FedLookahead run on it."""
+    from common.default_model import cache_root
+    from server.deploy import TlsFiles, repo_app_dir, serve
+
+    if certs is not None:
+        tls = TlsFiles.from_dir(certs)
+    elif ssl_ca_certfile and ssl_certfile and ssl_keyfile:
+        tls = TlsFiles(ssl_ca_certfile, ssl_certfile, ssl_keyfile)
+    else:
+        fail("TLS is required: give --certs DIR or all of --ssl-ca-certfile, --ssl-certfile, --ssl-keyfile")
+    _exit_cleanly_on_sigterm()
+    try:
+        code = serve(tls, host=host, port=port, state_dir=state_dir or cache_root() / "server", register=register,
+                     run_config=run_config, app_dir=(app_dir or repo_app_dir()).resolve(), run=run,
+                     keep_running=keep_running, run_timeout=run_timeout)
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    raise typer.Exit(code=code)
+
+
+@app.command("client")
+def client_cmd(
+    superlink: str = typer.Option(..., help="SuperLink address HOST:PORT."),
+    data: Path = typer.Option(..., help="This device's private folder of text/code files."),
+    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda (training and evaluation on this device)."),
+    budget_eps: Optional[float] = typer.Option(None, help="This device's privacy budget (epsilon); it declines training beyond it."),
+    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (default: system CAs)."),
+    auth_key: Optional[Path] = typer.Option(None, help="This node's ECDSA private key (OpenSSH) for node authentication."),
+    state_dir: Optional[Path] = typer.Option(None, help="Private state: accountant, global heads, logs (default: <cache>/client)."),
+    heads_dir: Optional[Path] = typer.Option(None, help="Also publish the newest global heads here (default: $FEDLA_HEADS or <cache>/heads/latest)."),
+    no_publish: bool = typer.Option(False, "--no-publish", help="Keep heads only in the state folder."),
+    insecure: bool = typer.Option(False, "--insecure", help="No TLS (tests only; incompatible with --auth-key)."),
+    max_retries: int = typer.Option(10, min=0, help="flower-supernode's reconnection tries per start."),
+    max_wait_time: float = typer.Option(60.0, min=0.0, help="flower-supernode's reconnection time limit per start (s)."),
+    restarts: int = typer.Option(5, min=0, help="Failed starts in a row before giving up (0: never give up)."),
+    refused_patience: float = typer.Option(75.0, min=0.0, help="Seconds of refused activation before giving up "
+                                           "(a node still marked online after a crash is refused for up to 60 s)."),
+    runtime_port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0: a free one)."),
+    node_config: str = typer.Option("", help="Extra node config `k=v ...` (client-side run-config keys)."),
+) -> None:
+    """Long-running device daemon: a Flower SuperNode running the FedLookahead ClientApp."""
+    from client.daemon import DaemonOptions, run_daemon
+
+    opts = DaemonOptions(superlink=superlink, data=data, base=base, device=device, budget_eps=budget_eps,
+                         root_certificates=root_certificates, auth_key=auth_key, state_dir=state_dir,
+                         heads_dir=heads_dir, publish_heads=not no_publish, insecure=insecure,
+                         max_retries=max_retries, max_wait_time=max_wait_time, restarts=restarts,
+                         refused_patience=refused_patience,
+                         runtime_port=runtime_port, node_config=node_config)
+    raise typer.Exit(code=run_daemon(opts))
