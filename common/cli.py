@@ -70,11 +70,14 @@ def train_heads_cmd(
     device: str = typer.Option("auto"),
 ) -> None:
     """Centralised head training with a progress bar; prints per-head top-1 accuracy on held-out code."""
-    from common.data import chunk_files, load_chunks, stdlib_files
+    from common.data import chunk_files, load_chunks, stdlib_files, text_files
     from common.heads import DraftHeads
     from common.training import evaluate_heads, train_heads
 
     try:
+        for folder in (data, eval_data):
+            if folder is not None:
+                text_files(folder)  # fail on a bad folder before loading any model
         model = open_base(base, device)
         tokenizer = model.tokenizer
         chunks = load_chunks(data, tokenizer, chunk_len) if data else chunk_files(stdlib_files("train"), tokenizer, chunk_len)
