@@ -2,7 +2,8 @@
 
 1. Local training time of one client, with and without Opacus (same data, same initial heads, the
    noise multiplier calibrated beforehand so only training is timed).
-2. Round time with and without SecAgg+ at 10 clients: the real ServerApp loop and ClientApp over
+2. Round time with and without SecAgg+ at 10 clients (after a warm-up round, order alternated,
+   medians of --reps): the real ServerApp loop and ClientApp over
    the in-process grid (clients run one after another in this process, so the numbers are the
    sum of client work plus protocol cost, without simulation-runtime noise), for the scenario's
    workload and for a near-empty local workload that exposes the protocol overhead alone.
@@ -36,7 +37,7 @@ def local_training(config_overrides: dict, reps: int) -> dict:
 
     times: dict[str, list[float]] = {"dp": [], "plain": []}
     for rep in range(reps):
-        for mode in ("plain", "dp"):
+        for mode in (("plain", "dp") if rep % 2 == 0 else ("dp", "plain")):
             config = FedConfig.from_mapping(dict(config_overrides, dp=(mode == "dp")))
             base = cached_base(config)
             data = client_data(config, base, {"partition-id": 0, "num-partitions": 10})
@@ -49,7 +50,7 @@ def local_training(config_overrides: dict, reps: int) -> dict:
     return {
         "chunks": int(len(data.train)), "chunk_len": config.chunk_len, "batch_size": config.batch_size,
         "q": q, "steps": steps,
-        "plain_seconds": times["plain"], "dp_seconds": times["dp"],
+        "plain_seconds": times["plain"], "dp_seconds": times["dp"],  # the first (cold) pair is included
         "ratio_dp_over_plain_median": statistics.median(times["dp"]) / statistics.median(times["plain"]),
     }
 
@@ -82,7 +83,7 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--scenario", default="iid-10")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench-federated.json"))
     args = parser.parse_args(argv)
@@ -98,13 +99,21 @@ def main(argv: list[str] | None = None) -> int:
                     "torch_threads": torch.get_num_threads()}
     report["local_training"] = local_training(workload, args.reps)
     light = dict(workload, **{"max-chunks-per-client": 16})
+    federated_round(workload, args.clients, secagg=True)  # warm-up: every partition, cache and sigma loaded
     rounds = {}
     for name, overrides in (("workload", workload), ("light", light)):
-        plain = federated_round(overrides, args.clients, secagg=False)
-        secure = federated_round(overrides, args.clients, secagg=True)
-        rounds[name] = {"plain": plain, "secagg": secure,
-                        "ratio_fit_secagg_over_plain": secure["fit_seconds"] / plain["fit_seconds"],
-                        "secagg_overhead_seconds": secure["fit_seconds"] - plain["fit_seconds"]}
+        runs: dict[str, list[dict]] = {"plain": [], "secagg": []}
+        for rep in range(args.reps):  # alternate the order so drifting machine load hits both alike
+            for mode in (("plain", "secagg") if rep % 2 == 0 else ("secagg", "plain")):
+                runs[mode].append(federated_round(overrides, args.clients, secagg=mode == "secagg"))
+        plain_fit = statistics.median(r["fit_seconds"] for r in runs["plain"])
+        secure_fit = statistics.median(r["fit_seconds"] for r in runs["secagg"])
+        rounds[name] = {"plain": runs["plain"][-1] | {"fit_seconds_all": [r["fit_seconds"] for r in runs["plain"]],
+                                                       "fit_seconds": plain_fit},
+                        "secagg": runs["secagg"][-1] | {"fit_seconds_all": [r["fit_seconds"] for r in runs["secagg"]],
+                                                         "fit_seconds": secure_fit},
+                        "ratio_fit_secagg_over_plain": secure_fit / plain_fit,
+                        "secagg_overhead_seconds": secure_fit - plain_fit}
     report["rounds"] = rounds
 
     from client.task import base_dir
