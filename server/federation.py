@@ -209,7 +209,10 @@ _MOD_RANGE = 4294967296  # SecAggPlusWorkflow's modulus_range (its default; we n
 def _short(reason: str, limit: int = 300) -> str:
     """The last line of a reason (Flower wraps client exceptions in a repr and a traceback)."""
     lines = [line for line in str(reason).strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else str(reason))[:limit]
+    last = (lines[-1] if lines else str(reason)).strip()
+    if last.endswith("'>"):  # the simulation runtime wraps the message as "<class ...>:<'...'>"
+        last = last[:-2]
+    return last[:limit]
 
 
 # ------------------------------------------------------------------------------------------ strategy
