@@ -25,7 +25,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if any(t is not None for t in client_taus):
         ax_tau.plot(xs, [t if t is not None else float("nan") for t in client_taus], "s--", label="clients (local)")
     ax_tau.set(title="AMS-LD tau (tokens per base forward)", xlabel="round")
-    ax_tau.legend(loc="best", fontsize=8)
+    if ax_tau.get_lines():
+        ax_tau.legend(loc="best", fontsize=8)
+    else:
+        ax_tau.text(0.5, 0.5, "tau not measured", ha="center", va="center", transform=ax_tau.transAxes)
     num_heads = max((len(r["metrics"]["head_accuracy"]) for r in rounds), default=0)
     for k in range(num_heads):
         ax_acc.plot(xs, [r["metrics"]["head_accuracy"][k] for r in rounds], "o-", label=f"head {k + 1}")
