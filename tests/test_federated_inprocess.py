@@ -208,3 +208,26 @@ def test_too_few_nodes_fails_fast_with_a_clear_error(run_config):
     config = dict(run_config, **{"min-available-clients": 5, "min-train-clients": 3})
     with pytest.raises(FedLookaheadError, match="only 3 node.*min-available-clients is 5"):
         run(config, recording_app({}), nodes=3)
+
+
+def test_dashboard_api_over_a_store_filled_by_a_real_simulation(run_config):
+    """The dashboard reads what the real ServerApp loop wrote: two SecAgg+ DP rounds of 3 ClientApps."""
+    from fastapi.testclient import TestClient
+
+    from server.dashboard import create_app
+
+    config = dict(run_config, **{"num-server-rounds": 2, "run-id": "real-sim"})
+    run_dir, summary, _ = run(config, client_module.app, nodes=3)
+    with TestClient(create_app(f"sqlite:///{run_dir.parent / 'fedla.db'}")) as api:
+        runs = api.get("/api/runs").json()
+        assert [r["run_id"] for r in runs] == ["real-sim"]
+        rounds = api.get("/api/runs/real-sim/rounds").json()
+        assert [r["round"] for r in rounds] == [1, 2]
+        assert all(r["participation"]["succeeded"] == 3 for r in rounds)
+        assert 0 < rounds[0]["privacy"]["epsilon_max"] < rounds[1]["privacy"]["epsilon_max"] <= 8.0
+        assert [r["metrics"]["train_loss"] for r in rounds] == [r["metrics"]["train_loss"] for r in summary["rounds"]]
+        page = api.get("/runs/real-sim")
+        assert page.status_code == 200 and "real-sim" in page.text
+        checkpoint = api.get("/runs/real-sim/checkpoint")
+        assert checkpoint.status_code == 200 and len(checkpoint.content) > 0
+        assert api.get("/api/runs/nope").status_code == 404
