@@ -684,5 +684,6 @@ def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, ser
         "bytes": {"down_per_client": bytes_down, "up_per_client": bytes_up,
                   "eval_push_per_client": client_eval.get("push_bytes_per_client", 0)},
         "wall_seconds": wall_seconds,
-        "seconds": {"fit": fit_seconds, "server_eval": server_eval_seconds, "client_eval": client_eval_seconds},
+        "seconds": {"fit": fit_seconds, "server_eval": server_eval_seconds, "client_eval": client_eval_seconds,
+                    "client_train_sum": sum(float(m.get("train-seconds", 0.0)) for m in metrics_by_node.values())},
     }
