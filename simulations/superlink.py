@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from common.procs import alive as _alive
 from common.procs import config_args, toml_value  # noqa: F401 - re-exported for callers of this module
 from common.procs import descendants as _descendants
 from common.procs import free_port as _free_port
+from common.procs import terminate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,23 +117,7 @@ class LocalSuperLink:
         if self.process is None:
             return
         self._remember()
-        pids = [self.process.pid] + sorted(self.known)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = []
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                    alive.append(pid)
-                except ProcessLookupError:
-                    pass
-            if not alive:
-                break
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(_alive(p) for p in alive):
-                try:
-                    self.process.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    pass
+        terminate([self.process.pid] + sorted(self.known), grace=5.0, reap=self.process)
         self.process = None
         if self._own_home:
             shutil.rmtree(self.flwr_home, ignore_errors=True)
