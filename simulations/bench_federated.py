@@ -57,6 +57,8 @@ def local_training(config_overrides: dict, reps: int) -> dict:
         "ratio_dp_over_plain_median": statistics.median(times["dp"]) / statistics.median(times["plain"]),
         "plain_cpu_seconds": cpu_times["plain"], "dp_cpu_seconds": cpu_times["dp"],
         "ratio_dp_over_plain_cpu_median": statistics.median(cpu_times["dp"]) / statistics.median(cpu_times["plain"]),
+        # the least-disturbed repetition of each (other jobs on a shared machine only ever add time)
+        "ratio_dp_over_plain_min": min(times["dp"]) / min(times["plain"]),
     }
 
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--scenario", default="iid-10")
+    parser.add_argument("--local-reps", type=int, help="repetitions of the local training timing (default --reps)")
+    parser.add_argument("--local-only", action="store_true", help="only time local training (prints JSON)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench-federated.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -106,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report: dict = {"scenario": args.scenario, "workload": workload, "clients": args.clients,
                     "torch_threads": torch.get_num_threads()}
-    report["local_training"] = local_training(workload, args.reps)
+    report["local_training"] = local_training(workload, args.local_reps or args.reps)
+    if args.local_only:
+        print(json.dumps(report, indent=2))
+        return 0
     light = dict(workload, **{"max-chunks-per-client": 16})
     federated_round(workload, args.clients, secagg=True)  # warm-up: every partition, cache and sigma loaded
     rounds = {}
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"local training, Opacus DP                        {statistics.median(lt['dp_seconds']):7.1f}  "
           f"{statistics.median(lt['dp_cpu_seconds']):7.1f}")
     print(f"  ratio DP / plain (goal <= 2.5)                 {lt['ratio_dp_over_plain_median']:7.2f}  "
-          f"{lt['ratio_dp_over_plain_cpu_median']:7.2f}")
+          f"{lt['ratio_dp_over_plain_cpu_median']:7.2f}   (fastest of each: {lt['ratio_dp_over_plain_min']:.2f})")
     for name in ("workload", "light"):
         r = rounds[name]
         for mode, label in (("plain", "plain FedAvg"), ("secagg", "SecAgg+")):
