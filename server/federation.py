@@ -78,7 +78,7 @@ from common.params import (
 )
 from common.training import evaluate_heads
 
-log = logging.getLogger("fedla.server")
+log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
 REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own codes are small integers)
 ROUND_KEY = "server-round"

@@ -19,7 +19,6 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    logging.getLogger("fedla").setLevel(logging.INFO)
     config = FedConfig.from_mapping(context.run_config)
     run_dir = run_federation(grid, context, config)
-    logging.getLogger("fedla.server").info("run finished: %s", run_dir)
+    logging.getLogger("flwr.fedla.server").info("run finished: %s", run_dir)
