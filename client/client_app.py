@@ -62,7 +62,7 @@ def client_config(context: Context) -> FedConfig:
 def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
     from client.privacy import load_state, save_state, state_file, train_round
-    from client.task import cached_base, client_data
+    from client.task import cached_base, client_data, client_features
     from common.base import FedLookaheadError
     from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
 
@@ -79,7 +79,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     run_key = str(fit_config.get(RUN_KEY, context.run_id))
     path = state_file(config, dict(context.node_config), run_key) if config.dp else None
     state = load_state(context, path, run_key) if config.dp else None
-    result = train_round(heads, base, data.train, config, state)
+    result = train_round(heads, client_features(config, base, data.train, dict(context.node_config)), config, state)
     if state is not None and not result.skipped:
         save_state(context, path, state)
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
@@ -123,7 +123,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    from client.task import cached_base, client_data
+    from client.task import cached_base, client_data, client_features
     from common.fedeval import chunk_prompts, decode_tau
     from common.params import heads_from_records
     from common.training import evaluate_heads
@@ -136,7 +136,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     metrics: dict = {"num-examples": int(len(data.heldout))}
     if len(data.heldout):
-        summary = evaluate_heads(heads, base, data.heldout, batch_size=config.batch_size)
+        summary = evaluate_heads(heads, client_features(config, base, data.heldout, dict(context.node_config)),
+                                 batch_size=config.batch_size)
         metrics["loss"] = float(summary["loss"])
         metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
         measure = bool(msg.content[HEADS_CONFIG_RECORD].get("measure-tau", True))

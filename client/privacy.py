@@ -38,7 +38,8 @@ from opacus.accountants.utils import get_noise_multiplier
 from common.base import BaseModel
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
-from common.training import HeadMetrics, chunk_loader, train_epoch
+from common.features import Features
+from common.training import HeadMetrics, feature_loader, train_epoch
 
 STATE_RECORD = "fedla-privacy"
 EPSILON_SLACK = 1e-6  # float noise only; never a real allowance over the target
@@ -159,20 +160,20 @@ class RoundResult:
     seconds: float = 0.0
 
 
-def train_round(heads: DraftHeads, base: BaseModel, chunks: torch.Tensor, config: FedConfig,
-                state: PrivacyState | None) -> RoundResult:
+def train_round(heads: DraftHeads, features: Features, config: FedConfig, state: PrivacyState | None) -> RoundResult:
     """One round of local training, in place on `heads`: DP-SGD (Opacus) or plain, per config.dp.
 
-    With DP, `state` is updated (history appended, sigma fixed on first use) only when training ran.
+    Reads the chunks' cached base features (one row per chunk: the privacy unit). With DP, `state`
+    is updated (history appended, sigma fixed on first use) only when training ran.
     """
     started = time.perf_counter()
-    q, steps = plan(config, len(chunks))
+    q, steps = plan(config, len(features))
     if not config.dp:
         optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr)
         metrics = HeadMetrics(heads.num_heads)
         for epoch in range(config.local_epochs):
-            loader = chunk_loader(chunks, config.batch_size, shuffle=True, seed=config.seed + epoch)
-            metrics = train_epoch(heads, base, loader, optimizer, heads.num_heads, show_progress=False)
+            loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
+            metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
         return RoundResult(metrics, math.inf, q, steps, 0.0, seconds=time.perf_counter() - started)
 
     assert state is not None
@@ -192,11 +193,11 @@ def train_round(heads: DraftHeads, base: BaseModel, chunks: torch.Tensor, config
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
         module, dp_optimizer, dp_loader = engine.make_private(
-            module=heads, optimizer=optimizer, data_loader=chunk_loader(chunks, config.batch_size, shuffle=False),
+            module=heads, optimizer=optimizer, data_loader=feature_loader(features, config.batch_size, shuffle=False),
             noise_multiplier=sigma, max_grad_norm=config.dp_max_grad_norm, poisson_sampling=True)
         metrics = HeadMetrics(heads.num_heads)
         for _ in range(config.local_epochs):
-            metrics = train_epoch(module, base, dp_loader, dp_optimizer, heads.num_heads, show_progress=False)
+            metrics = train_epoch(module, dp_loader, dp_optimizer, heads.num_heads, show_progress=False)
     module._close()  # remove Opacus's hooks from `heads` (the module is rebuilt next round anyway)
     state.noise_multiplier = sigma
     state.history = [tuple(h) for h in engine.accountant.history]

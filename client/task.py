@@ -33,6 +33,7 @@ from common.base import BaseModel, FedLookaheadError, load_base
 from common.data import read_text, stdlib_dir, stdlib_files, text_files
 from common.default_model import cache_root, ensure_default_base
 from common.fedconfig import FedConfig
+from common.features import Features, base_features
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,21 @@ def split_local(chunks: torch.Tensor, config: FedConfig, salt: int) -> tuple[tor
     if config.local_heldout_fraction > 0 and len(chunks) >= 2:
         heldout = max(1, heldout)
     return chunks[heldout:], chunks[:heldout]
+
+
+def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
+    """Where this client's base features live: under its state folder when it has one (device data
+    stays with the device), else the FedLookahead cache."""
+    if node_config.get("state-dir"):
+        return Path(str(node_config["state-dir"])).expanduser() / "features"
+    if config.client_state_dir:
+        return Path(config.client_state_dir).expanduser() / "features"
+    return cache_root() / "features"
+
+
+def client_features(config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict) -> Features:
+    """Base features of this client's chunks, computed once and reused across rounds (common/features.py)."""
+    return base_features(base, chunks, feature_cache_dir(config, node_config))
 
 
 def client_data(config: FedConfig, base: BaseModel, node_config: dict) -> ClientData:

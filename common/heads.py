@@ -1,27 +1,42 @@
-"""The two small trainable parts that sit on the frozen base: a fusion head and K lookahead heads.
+"""The small trainable parts that sit on the frozen base: a fusion head and K lookahead heads.
 
-    h_t      base's last hidden state at position t (it already predicts x_{t+1} via the LM head)
-    f_t    = Fusion([E(x_{t+1}); h_t])             EAGLE-style Linear(2d, d): condition on the token just chosen
-    head k = LMHead(f_t + SiLU(W_k f_t + b_k))     Medusa-style residual block, k = 1..K, predicts x_{t+k+1}
+    h_t        base's last hidden state at position t (its LM head already predicts x_{t+1})
+    x_{t+1}    the token just chosen (the base's own choice while decoding)
+    s_0 = h_t
+    step k:    f_k = Fusion([E(x_{t+k}); s_{k-1}])     EAGLE-style Linear(2d, d)
+               s_k = Block_k(f_k)                       Medusa-style residual block x + SiLU(Wx + b)
+               logits_k = LMHead_draft(s_k)             predicts x_{t+k+1}
 
-Only the fusion and the residual blocks are parameters (2d*d + d + K*(d*d + d)); the embedding and
-LM head are the base's own frozen modules, referenced but never saved, trained or sent.
+That is the default `recurrent` architecture: each step fuses the token drafted at the step before
+(EAGLE's idea at the cost of one linear layer instead of a decoder layer), so the heads' candidates
+for step k+1 depend on the candidate they extend. The `parallel` architecture is Medusa's: one fusion
+with x_{t+1}, then every head k reads f_1 (s_k = Block_k(f_1)) and the drafts form a lattice.
+
+The LM head used for drafting is the base's own frozen LM head restricted to a draft vocabulary
+(FR-Spec / EAGLE-3): the N most frequent tokens of the base's greedy output on public data (see
+common/draft_vocab.py). Verification always uses the full LM head, so decoding stays lossless. Only
+the fusion and the residual blocks are parameters; embedding and LM head are referenced, never saved,
+trained or sent. The draft vocabulary is part of the heads' config (and of what the server sends).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from common.base import BaseModel, FedLookaheadError
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
+ARCHITECTURES = ("recurrent", "parallel")
+MAX_HEADS = 16  # a config asking for more is refused before anything is allocated
 
 
 @dataclass
@@ -31,13 +46,58 @@ class HeadsConfig:
     vocab_size: int
     base_fingerprint: str
     version: int = 0  # bumped by every federated round that produces these heads
+    arch: str = "recurrent"
+    draft_vocab: list[int] = field(default_factory=list)  # [] = the base's whole vocabulary
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """One-line errors for configs that cannot describe heads (checked before any allocation)."""
+        for name in ("num_heads", "hidden_size", "vocab_size", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise FedLookaheadError(f"bad heads config: {name} must be an integer, got {value!r}")
+        if not 1 <= self.num_heads <= MAX_HEADS:
+            raise FedLookaheadError(f"bad heads config: num_heads must be in 1..{MAX_HEADS}, got {self.num_heads}")
+        if self.hidden_size < 1 or self.vocab_size < 1 or self.version < 0:
+            raise FedLookaheadError("bad heads config: hidden_size and vocab_size must be positive, version >= 0")
+        if not isinstance(self.base_fingerprint, str):
+            raise FedLookaheadError("bad heads config: base_fingerprint must be a string")
+        if self.arch not in ARCHITECTURES:
+            raise FedLookaheadError(f"bad heads config: arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+        vocab = self.draft_vocab
+        if not isinstance(vocab, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in vocab):
+            raise FedLookaheadError("bad heads config: draft_vocab must be a list of token ids")
+        if vocab and (min(vocab) < 0 or max(vocab) >= self.vocab_size or len(set(vocab)) != len(vocab)):
+            raise FedLookaheadError(f"bad heads config: draft_vocab needs distinct ids in [0, {self.vocab_size})")
+
+    @property
+    def draft_size(self) -> int:
+        return len(self.draft_vocab) or self.vocab_size
+
+    @property
+    def draft_vocab_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.draft_vocab).encode()).hexdigest()[:12]
+
+    @classmethod
+    def from_json(cls, data: object) -> HeadsConfig:
+        if not isinstance(data, dict):
+            raise FedLookaheadError("bad heads config: expected a JSON object")
+        required = {"num_heads", "hidden_size", "vocab_size", "base_fingerprint"}
+        known = required | {"version", "arch", "draft_vocab"}
+        if required - set(data) or set(data) - known:
+            raise FedLookaheadError(
+                f"bad heads config: missing {sorted(required - set(data))}, unknown {sorted(set(data) - known)}"
+            )
+        return cls(**data)
 
 
 class FusionHead(nn.Module):
     """Linear(2d, d) over [embedding of the chosen token; hidden state].
 
-    Initialised to pass h_t through unchanged, so before training every head starts from the base's
-    own next-token distribution rather than from noise.
+    Initialised to pass the hidden state through, so before training head 1 reproduces the base's
+    own next-token distribution rather than noise.
     """
 
     def __init__(self, hidden_size: int) -> None:
@@ -65,57 +125,92 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class LookaheadHeads(nn.Module):
-    """K residual blocks; block k maps the fused feature to a state whose LM-head logits predict x_{t+k+1}."""
-
-    def __init__(self, num_heads: int, hidden_size: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
-
-    def forward(self, fused: torch.Tensor) -> torch.Tensor:
-        """(..., d) -> (..., K, d)."""
-        return torch.stack([block(fused) for block in self.blocks], dim=-2)
-
-
 class DraftHeads(nn.Module):
-    """Fusion + lookahead heads bound to one base model (by reference to its embedding and LM head)."""
+    """Fusion + K lookahead heads bound to one base model (by reference to its embedding and LM head)."""
 
     def __init__(self, config: HeadsConfig, base: BaseModel) -> None:
         super().__init__()
         if (config.hidden_size, config.vocab_size) != (base.hidden_size, base.vocab_size):
             raise FedLookaheadError(
-                f"heads were built for hidden size {config.hidden_size} / vocab {config.vocab_size}, "
+                f"mismatched heads: built for hidden size {config.hidden_size} / vocab {config.vocab_size}, "
                 f"base has {base.hidden_size} / {base.vocab_size}"
             )
         self.config = config
         self.fusion = FusionHead(config.hidden_size)
-        self.lookahead = LookaheadHeads(config.num_heads, config.hidden_size)
-        # Plain attributes, not submodules: frozen, never in state_dict, invisible to Opacus.
-        object.__setattr__(self, "embed", base.model.get_input_embeddings())
-        object.__setattr__(self, "lm_head", base.model.get_output_embeddings())
+        self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
         self.to(device=base.device, dtype=base.dtype)
+        self.bind(base)
+
+    def bind(self, base: BaseModel) -> None:
+        """Reference the base's frozen embedding and the draft rows of its LM head.
+
+        Plain attributes, not parameters or buffers: never in state_dict, invisible to Opacus.
+        """
+        lm_head = base.model.get_output_embeddings()
+        ids = torch.tensor(self.config.draft_vocab or range(self.config.vocab_size), dtype=torch.long, device=base.device)
+        to_draft = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=base.device)
+        to_draft[ids] = torch.arange(len(ids), device=base.device)
+        bias = getattr(lm_head, "bias", None)
+        object.__setattr__(self, "base_lm_head", lm_head)
+        object.__setattr__(self, "embed", base.model.get_input_embeddings())
+        object.__setattr__(self, "draft_ids", ids)  # draft index -> token id
+        object.__setattr__(self, "to_draft", to_draft)  # token id -> draft index, -1 outside the draft vocabulary
+        weight = lm_head.weight.detach()
+        if self.config.draft_vocab:  # a copy of N rows; the whole vocabulary needs none
+            weight, bias = weight[ids], None if bias is None else bias.detach()[ids]
+        object.__setattr__(self, "draft_weight", weight)
+        object.__setattr__(self, "draft_bias", None if bias is None else bias.detach())
 
     @classmethod
-    def fresh(cls, base: BaseModel, num_heads: int = 4) -> DraftHeads:
-        if num_heads < 1:
-            raise FedLookaheadError(f"need at least one lookahead head, got {num_heads}")
-        config = HeadsConfig(num_heads, base.hidden_size, base.vocab_size, base.fingerprint)
+    def fresh(
+        cls, base: BaseModel, num_heads: int = 4, arch: str = "recurrent", draft_vocab: list[int] | None = None
+    ) -> DraftHeads:
+        config = HeadsConfig(num_heads, base.hidden_size, base.vocab_size, base.fingerprint, arch=arch,
+                             draft_vocab=list(draft_vocab or []))
         return cls(config, base)
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def head_states(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """hidden (..., d) at t and the token chosen for t+1 (...) -> per-head states (..., K, d)."""
-        dtype = self.fusion.proj.weight.dtype
-        fused = self.fusion(self.embed(next_tokens).to(dtype), hidden.to(dtype))
-        return self.lookahead(fused)
+    @property
+    def recurrent(self) -> bool:
+        return self.config.arch == "recurrent"
 
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (..., K, V): entry k-1 predicts x_{t+k+1}."""
-        states = self.head_states(hidden, next_tokens)
-        return self.lm_head(states.to(self.lm_head.weight.dtype))
+    def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (..., N) of head states (..., d)."""
+        weight = self.draft_weight
+        return nn.functional.linear(states.to(weight.dtype), weight, self.draft_bias)
+
+    def step(self, tokens: torch.Tensor, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lookahead step k (1-based): the token at t+k and the state before it -> (next state, head state).
+
+        For k = 1 the state is the base's h_t. The head state s_k gives the logits for x_{t+k+1}; the
+        next state is what step k+1 reads: s_k (recurrent) or f_1 (parallel, every head reads f_1).
+        """
+        if k == 1 or self.recurrent:
+            dtype = self.fusion.proj.weight.dtype
+            fused = self.fusion(self.embed(tokens).to(dtype), states.to(dtype))
+        else:
+            fused = states
+        head_state = self.blocks[k - 1](fused)
+        return (head_state if self.recurrent else fused), head_state
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced training pass: hidden (B, L, d) and tokens (B, L) -> K logits (B, L-1, N).
+
+        Entry k-1 at position t predicts x_{t+k+1} after fusing x_{t+1}, ..., x_{t+k}; positions with
+        t + k > L - 1 read a clamped token and must be masked by the loss.
+        """
+        length = tokens.shape[1]
+        positions = torch.arange(length - 1, device=tokens.device)
+        states = hidden[:, :-1]
+        logits = []
+        for k in range(1, self.num_heads + 1):
+            step_tokens = tokens[:, (positions + k).clamp_max(length - 1)]
+            states, head_state = self.step(step_tokens, states, k)
+            logits.append(self.draft_logits(head_state))
+        return logits
 
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -125,34 +220,66 @@ class DraftHeads(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, directory / WEIGHTS_FILE)
-        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2))
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         return directory
 
     @classmethod
     def load(cls, directory: str | Path, base: BaseModel) -> DraftHeads:
-        """Load heads saved by `save`; refuses heads trained for another base model."""
+        """Load heads saved by `save`; refuses heads for another base, and damaged files, in one line."""
         directory = Path(directory).expanduser()
         if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
             raise FedLookaheadError(f"no heads in {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
-        config = HeadsConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        try:
+            config = HeadsConfig.from_json(json.loads((directory / CONFIG_FILE).read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FedLookaheadError(f"bad heads config {directory / CONFIG_FILE}: not valid JSON ({exc})") from exc
+        except TypeError as exc:
+            raise FedLookaheadError(f"bad heads config {directory / CONFIG_FILE}: {exc}") from exc
         if config.base_fingerprint != base.fingerprint:
             raise FedLookaheadError(
                 f"heads in {directory} were trained for base {config.base_fingerprint}, "
                 f"not for {base.path} ({base.fingerprint})"
             )
+        if (config.hidden_size, config.vocab_size) != (base.hidden_size, base.vocab_size):
+            raise FedLookaheadError(f"mismatched heads in {directory}: geometry does not fit base {base.path}")
+        state = read_weights(directory / WEIGHTS_FILE, expected_shapes(config))
         heads = cls(config, base)
-        heads.load_state_dict_checked(load_file(directory / WEIGHTS_FILE))
+        heads.load_state_dict_checked(state)
         return heads
 
     def load_state_dict_checked(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights after checking names and shapes, with a one-line error on any mismatch."""
+        check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected_shapes(self.config))
         expected = self.state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-            raise FedLookaheadError(f"mismatched heads: missing {missing[:3]}, unexpected {extra[:3]}")
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise FedLookaheadError(
-                    f"mismatched heads: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
-                )
         self.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+
+
+def expected_shapes(config: HeadsConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape for a config, without building the heads."""
+    d = config.hidden_size
+    shapes = {"fusion.proj.weight": (d, 2 * d), "fusion.proj.bias": (d,)}
+    for k in range(config.num_heads):
+        shapes[f"blocks.{k}.linear.weight"] = (d, d)
+        shapes[f"blocks.{k}.linear.bias"] = (d,)
+    return shapes
+
+
+def check_shapes(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    if set(found) != set(expected):
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        raise FedLookaheadError(f"mismatched heads: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise FedLookaheadError(f"mismatched heads: {name} has shape {tuple(shape)}, expected {expected[name]}")
+
+
+def read_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The tensors of a heads file, after checking names and shapes from its header (before reading data)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            check_shapes({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}, expected)
+            return {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        if isinstance(exc, FedLookaheadError):
+            raise
+        raise FedLookaheadError(f"damaged heads file {path}: {str(exc).splitlines()[0]}") from exc

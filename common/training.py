@@ -1,14 +1,24 @@
-"""Head training: the loss, one epoch, evaluation. Shared by `fedla train-heads` and the DP client."""
+"""Head training: the loss, one epoch, evaluation. Shared by `fedla train-heads` and the DP client.
+
+Training reads cached base features (common/features.py), never the base itself. The targets are
+the ones decoding will check: at position t the heads fuse the real next token x_{t+1} (then, step
+by step, x_{t+2}, ...) and head k must predict the base's own greedy choice after x_{t+k}, which is
+what verification accepts, rather than the text (a small base disagrees with the text about half
+the time).
+"""
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common.base import BaseModel
+from common.features import Features, fast_feature_dtype
 from common.heads import DraftHeads
 
 HEAD_LOSS_DECAY = 0.8  # Medusa-1: head k's cross-entropy weighted 0.8^k
@@ -21,6 +31,7 @@ class HeadMetrics:
     num_heads: int
     loss_sum: float = 0.0
     batches: int = 0
+    tokens: int = 0
     correct: list[int] = field(default_factory=list)
     total: list[int] = field(default_factory=list)
 
@@ -30,113 +41,166 @@ class HeadMetrics:
 
     def summary(self) -> dict[str, float | list[float]]:
         accuracy = [c / t if t else 0.0 for c, t in zip(self.correct, self.total)]
-        return {"loss": self.loss_sum / max(1, self.batches), "head_accuracy": accuracy}
-
-
-def targets_and_inputs(base: BaseModel, chunks: torch.Tensor, distill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base hidden states (no grad) and the token sequence the heads learn to predict.
-
-    With `distill`, the targets are the base's own greedy choices at every position (what the lossless
-    decoder must match), instead of the text itself.
-    """
-    hidden = base.features(chunks)
-    if not distill:
-        return hidden, chunks
-    with torch.no_grad():
-        greedy = base.model.get_output_embeddings()(hidden).argmax(-1)
-    # greedy[:, t] is the base's choice for position t+1: shift so that targets[:, j] is for position j.
-    return hidden, torch.cat([chunks[:, :1], greedy[:, :-1]], dim=1)
+        return {"loss": self.loss_sum / max(1, self.batches), "head_accuracy": accuracy, "tokens": self.tokens}
 
 
 def heads_loss(
-    heads: DraftHeads, hidden: torch.Tensor, targets: torch.Tensor, metrics: HeadMetrics | None = None
+    heads: torch.nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    greedy: torch.Tensor,
+    metrics: HeadMetrics | None = None,
 ) -> torch.Tensor:
-    """Sum over heads of 0.8^k * CE(head k at t, token t+k+1), averaged over tokens and chunks.
+    """Sum over heads of 0.8^k * CE(head k at t, the base's greedy choice after x_{t+k}).
 
-    Averaging every head over the same number of positions per chunk keeps the loss a mean over
-    samples, which Opacus's per-sample gradient scaling assumes.
+    Each chunk's loss is its own mean over a fixed number of positions per head (targets outside
+    the draft vocabulary count as zero loss but as misses), then chunks are averaged: the loss is a
+    mean over samples, as Opacus's per-sample gradient scaling assumes.
     """
-    length = targets.shape[1]
-    num_heads = getattr(heads, "_module", heads).num_heads  # Opacus's GradSampleModule hides attributes
-    logits = heads(hidden[:, :-1], targets[:, 1:])  # (B, L-1, K, V): position t fused with token t+1
+    plain = getattr(heads, "_module", heads)  # Opacus's GradSampleModule hides attributes
+    length = tokens.shape[1]
+    logits = heads(hidden.float(), tokens)  # K x (B, L-1, N)
     loss = hidden.new_zeros((), dtype=torch.float32)
-    for k in range(1, num_heads + 1):
-        valid = length - 1 - k
-        if valid <= 0:
+    for k in range(1, plain.num_heads + 1):
+        positions = length - k  # t = 0 .. L-1-k have a target greedy[t + k]
+        if positions <= 0:
             break
-        head_logits = logits[:, :valid, k - 1].float()
-        head_targets = targets[:, k + 1 :]
-        loss = loss + HEAD_LOSS_DECAY**k * torch.nn.functional.cross_entropy(
-            head_logits.reshape(-1, head_logits.shape[-1]), head_targets.reshape(-1)
-        )
+        head_logits = logits[k - 1][:, :positions].float()
+        target_ids = greedy[:, k:]
+        targets = plain.to_draft[target_ids]
+        per_position = torch.nn.functional.cross_entropy(
+            head_logits.reshape(-1, head_logits.shape[-1]), targets.clamp_min(0).reshape(-1), reduction="none"
+        ).view(targets.shape)
+        per_chunk = (per_position * (targets >= 0)).sum(dim=1) / positions
+        loss = loss + HEAD_LOSS_DECAY**k * per_chunk.mean()
         if metrics is not None:
-            metrics.correct[k - 1] += int((head_logits.argmax(-1) == head_targets).sum())
-            metrics.total[k - 1] += head_targets.numel()
+            predicted = plain.draft_ids[head_logits.argmax(-1)]
+            metrics.correct[k - 1] += int((predicted == target_ids).sum())
+            metrics.total[k - 1] += target_ids.numel()
     if metrics is not None:
         metrics.loss_sum += loss.item()
         metrics.batches += 1
+        metrics.tokens += tokens.numel()
     return loss
 
 
-def chunk_loader(chunks: torch.Tensor, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+def feature_loader(features: Features, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(TensorDataset(chunks), batch_size=batch_size, shuffle=shuffle, generator=generator)
+    return DataLoader(features.dataset(), batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
 def train_epoch(
     heads: torch.nn.Module,
-    base: BaseModel,
     loader: DataLoader,
     optimizer: torch.optim.Optimizer,
     num_heads: int,
-    distill: bool = True,
     desc: str = "training heads",
     show_progress: bool = True,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    deadline: float = math.inf,
+    mixed_precision: bool = False,
 ) -> HeadMetrics:
-    """One pass over `loader`. `heads` may be a DraftHeads or Opacus's GradSampleModule around one."""
+    """One pass over `loader` (stopping early at `deadline`, a perf_counter time).
+
+    `heads` may be a DraftHeads or Opacus's GradSampleModule around one; batches go to the heads'
+    device. `mixed_precision` runs the forward under bf16 autocast where the device computes bf16
+    natively (about 1.75x on this 2-core CPU: the draft-vocabulary softmax dominates).
+    """
     metrics = HeadMetrics(num_heads)
+    device = next(heads.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=mixed_precision and fast_feature_dtype(device) == torch.bfloat16)
     heads.train()
-    for (batch,) in tqdm(loader, desc=desc, unit="batch", disable=not show_progress, leave=False):
-        batch = batch.to(base.device)
+    for hidden, tokens, greedy in tqdm(loader, desc=desc, unit="batch", disable=not show_progress, leave=False):
         optimizer.zero_grad(set_to_none=True)
-        if len(batch) == 0:  # Poisson sampling can draw an empty batch; Opacus still takes a noisy step
+        if len(tokens) == 0:  # Poisson sampling can draw an empty batch; Opacus still takes a noisy step
             optimizer.step()
             continue
-        hidden, targets = targets_and_inputs(base, batch, distill)
-        heads_loss(heads, hidden, targets, metrics).backward()
+        with autocast:
+            loss = heads_loss(heads, hidden.to(device), tokens.to(device), greedy.to(device), metrics)
+        loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if time.perf_counter() > deadline:
+            break
     heads.eval()
     return metrics
 
 
 @torch.no_grad()
-def evaluate_heads(
-    heads: DraftHeads, base: BaseModel, chunks: torch.Tensor, batch_size: int = 16, distill: bool = True
-) -> dict[str, float | list[float]]:
-    """Loss and per-head top-1 accuracy against the base's greedy tokens (or the text)."""
+def evaluate_heads(heads: DraftHeads, features: Features, batch_size: int = 16) -> dict[str, float | list[float]]:
+    """Loss and per-head top-1 accuracy against the base's greedy choices."""
     metrics = HeadMetrics(heads.num_heads)
     heads.eval()
-    for (batch,) in chunk_loader(chunks, batch_size, shuffle=False):
-        hidden, targets = targets_and_inputs(base, batch.to(base.device), distill)
-        heads_loss(heads, hidden, targets, metrics)
+    device = next(heads.parameters()).device
+    for hidden, tokens, greedy in feature_loader(features, batch_size, shuffle=False):
+        heads_loss(heads, hidden.to(device), tokens.to(device), greedy.to(device), metrics)
     return metrics.summary()
 
 
 def train_heads(
     heads: DraftHeads,
-    base: BaseModel,
-    chunks: torch.Tensor,
+    features: Features,
     epochs: int = 1,
     lr: float = 1e-3,
     batch_size: int = 16,
-    distill: bool = True,
     seed: int = 0,
+    max_seconds: float = math.inf,
+    show_progress: bool = True,
 ) -> list[dict[str, float | list[float]]]:
-    """Centralised (non-private) training: the baseline federated runs are compared with."""
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
+    """Centralised (non-private) training with AdamW and a cosine schedule; stops at `max_seconds`."""
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    total_steps = max(1, epochs * math.ceil(len(features) / batch_size))
+    warmup = min(50, total_steps // 10 + 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+    )
+    deadline = time.perf_counter() + max_seconds
     history = []
     for epoch in range(epochs):
-        loader = chunk_loader(chunks, batch_size, shuffle=True, seed=seed + epoch)
-        metrics = train_epoch(heads, base, loader, optimizer, heads.num_heads, distill, f"epoch {epoch + 1}/{epochs}")
+        loader = feature_loader(features, batch_size, shuffle=True, seed=seed + epoch)
+        metrics = train_epoch(heads, loader, optimizer, heads.num_heads, f"epoch {epoch + 1}/{epochs}",
+                              show_progress, scheduler, deadline, mixed_precision=True)
         history.append(metrics.summary())
+        if time.perf_counter() > deadline:
+            break
     return history
+
+
+def fit_heads(
+    base: BaseModel,
+    features: Features,
+    heldout: Features,
+    num_heads: int = 4,
+    arch: str = "recurrent",
+    draft_vocab: list[int] | None = None,
+    epochs: int = 1,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+    max_seconds: float = math.inf,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> tuple[DraftHeads, dict]:
+    """Fresh heads trained on `features` (non-private), and a report with held-out accuracy and speed."""
+    torch.manual_seed(seed)
+    heads = DraftHeads.fresh(base, num_heads, arch=arch, draft_vocab=draft_vocab)
+    started = time.perf_counter()
+    history = train_heads(heads, features, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
+                          max_seconds=max_seconds, show_progress=show_progress)
+    seconds = time.perf_counter() - started
+    trained_tokens = sum(h["tokens"] for h in history)
+    report = {
+        "arch": arch,
+        "num_heads": num_heads,
+        "draft_vocab": len(draft_vocab or []) or base.vocab_size,
+        "train_chunks": len(features),
+        "epochs_run": len(history),
+        "train_seconds": round(seconds, 1),
+        "train_tokens": trained_tokens,
+        "train_tokens_per_s": round(trained_tokens / seconds, 1) if seconds > 0 else 0.0,
+        "trainable_parameters": heads.num_trainable(),
+        "train": history[-1] if history else {},
+        "heldout": evaluate_heads(heads, heldout),
+    }
+    return heads, report

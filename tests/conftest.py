@@ -15,6 +15,20 @@ from common.default_model import train_tokenizer
 TINY_VOCAB = 512
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_fedla_home(tmp_path_factory):
+    """Caches the code writes (cost curves, features, chunks) go to a temporary FedLookahead home."""
+    import os
+
+    previous = os.environ.get("FEDLA_HOME")
+    os.environ["FEDLA_HOME"] = str(tmp_path_factory.mktemp("fedla-home"))
+    yield
+    if previous is None:
+        os.environ.pop("FEDLA_HOME", None)
+    else:
+        os.environ["FEDLA_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     texts = [t for t in map(read_text, stdlib_files("train")[:40]) if t]

@@ -40,11 +40,19 @@ from common.decoding.tree import (
     sample_accept,
     tree_paths,
 )
+from common.decoding.calibration import CostCurve
+from common.decoding.drafting import Candidate, choose_tree
+from common.features import compute_features
 from common.heads import DraftHeads
-from common.training import chunk_loader, train_epoch
+from common.training import feature_loader, train_epoch
 from tests.conftest import TINY_VOCAB, save_tiny
 
 ARCHS = ("llama", "qwen2", "gpt2")
+# Synthetic verify cost curves: trees almost free (a GPU) and steep (verifying costs more than it yields).
+CURVES = {
+    "flat": CostCurve((1, 64), (1.0, 1.2), (0.01, 0.02)),
+    "steep": CostCurve((1, 2, 64), (1.0, 3.0, 90.0), (0.01, 0.02, 0.5)),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,15 +91,17 @@ def quickly_trained_heads(base: BaseModel, num_heads: int = 3, epochs: int = 8) 
             prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=42, pad_token_id=0
         )
     heads = DraftHeads.fresh(base, num_heads)
+    features = compute_features(base, sequences, progress=False)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     for epoch in range(epochs):
-        loader = chunk_loader(sequences, batch_size=8, shuffle=True, seed=epoch)
-        train_epoch(heads, base, loader, optimizer, num_heads, show_progress=False)
+        loader = feature_loader(features, batch_size=8, shuffle=True, seed=epoch)
+        train_epoch(heads, loader, optimizer, num_heads, show_progress=False)
     return heads
 
 
 def noisy_heads(base: BaseModel, seed: int) -> DraftHeads:
-    heads = DraftHeads.fresh(base, 4)
+    """Parallel (Medusa) heads over a draft vocabulary of every other token, randomly perturbed."""
+    heads = DraftHeads.fresh(base, 4, arch="parallel", draft_vocab=list(range(0, base.vocab_size, 2)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in heads.parameters():
@@ -124,16 +134,18 @@ def test_ams_greedy_equals_hf_greedy_property(models):
         trained=st.booleans(),
         ngram=st.booleans(),
         top_k=st.integers(1, 5),
-        nodes=st.integers(1, 40),
+        beam=st.integers(1, 4),
+        nodes=st.integers(0, 40),
         min_path_prob=st.sampled_from([0.0, 0.02, 0.2]),
+        curve=st.sampled_from([None, "flat", "steep"]),
         max_new_tokens=st.integers(1, 32),
     )
-    def check(arch, prompt, trained, ngram, top_k, nodes, min_path_prob, max_new_tokens):
+    def check(arch, prompt, trained, ngram, top_k, beam, nodes, min_path_prob, curve, max_new_tokens):
         base, good, noisy = models[arch]
-        policy = AmsPolicy(top_k=top_k, init_nodes=nodes, min_nodes=1, max_nodes=max(nodes, 48),
-                           min_path_prob=min_path_prob, ngram=ngram)
+        policy = AmsPolicy(top_k=top_k, beam=beam, max_nodes=nodes, min_path_prob=min_path_prob, ngram=ngram,
+                           cost_aware=curve is not None)
         result = generate(base, torch.tensor(prompt), heads=good if trained else noisy, policy=policy,
-                          max_new_tokens=max_new_tokens, degeneration_guard=False)
+                          max_new_tokens=max_new_tokens, degeneration_guard=False, curve=CURVES.get(curve))
         assert result.mode == "ams"
         assert result.tokens == hf_greedy(base, prompt, max_new_tokens)
         taus.append(result.tau)
@@ -150,7 +162,7 @@ def test_trained_heads_alone_get_drafts_accepted(models):
         base, heads, _ = models[arch]
         for seed in range(2):
             prompt = torch.randint(1, TINY_VOCAB, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
-            policy = AmsPolicy(ngram=False, min_path_prob=0.0, init_nodes=16)
+            policy = AmsPolicy(ngram=False, cost_aware=False, max_nodes=16)
             result = generate(base, torch.tensor(prompt), heads=heads, policy=policy,
                               max_new_tokens=32, degeneration_guard=False)
             assert result.tokens == hf_greedy(base, prompt, 32)
@@ -358,7 +370,7 @@ def test_ams_sampling_distribution_equals_base(tiny_vocab_base, temperature, top
     while the first step verified a whole tree (tokens 2 and 3 come from tree acceptance)."""
     base = tiny_vocab_base
     heads = noisy_heads(base, seed=7)
-    policy = AmsPolicy(top_k=3, init_nodes=10, min_path_prob=0.0)
+    policy = AmsPolicy(top_k=3, max_nodes=10, cost_aware=False)
     prompt = [3, 1, 4, 1, 5]
     law = exact_three_token_law(base, prompt, temperature, top_p)
     trials = 1500
@@ -494,44 +506,74 @@ def test_eos_stops_generation(models):
         base.model.generation_config.eos_token_id = base.tokenizer.eos_token_id
 
 
-def test_drafter_packed_heads_equal_draft_heads_forward(models):
+def test_drafter_candidates_are_the_heads_own_top_k_step_by_step(models):
+    """Depth 1 holds head 1's top-k after fusing the root; depth 2 the top-k of the best depth-1 node's
+    own continuation (the recurrent heads fuse the drafted token), each with its path log-probability."""
     base, heads, _ = models["qwen2"]
-    for depth in (0, 2):
-        drafter = HeadsTreeDrafter(heads, AmsPolicy(max_depth=depth))
-        hidden, token = torch.randn(base.hidden_size), torch.tensor(17)
-        reference = heads(hidden.view(1, -1), token.view(1))[0, : drafter.head_depth]
-        torch.testing.assert_close(drafter._head_logits(hidden, token), reference, atol=1e-4, rtol=1e-4)
-        values = drafter.draft_inputs(hidden, token).tolist()
-        k = drafter.top_k
-        assert values[:k] == reference[0].topk(k).indices.tolist()
+    k = 3
+    drafter = HeadsTreeDrafter(heads, AmsPolicy(top_k=k, beam=2))
+    hidden, token = torch.randn(base.hidden_size), torch.tensor(17)
+    values = drafter.draft_inputs(hidden, token).tolist()
+    m = len(values) // 3
+    tokens, parents, logp = values[:m], values[m : 2 * m], values[2 * m :]
+    assert m == k + 2 * k * (heads.num_heads - 1)
+    state, head_state = heads.step(token.view(1), hidden.view(1, -1), 1)
+    first = torch.log_softmax(heads.draft_logits(head_state)[0], -1).topk(k)
+    assert tokens[:k] == heads.draft_ids[first.indices].tolist() and parents[:k] == [-1] * k
+    torch.testing.assert_close(torch.tensor(logp[:k], dtype=torch.float64), first.values.double(), atol=1e-5, rtol=0)
+    _, head_state = heads.step(torch.tensor([int(tokens[0])]), state, 2)
+    second = torch.log_softmax(heads.draft_logits(head_state)[0], -1).topk(k)
+    assert tokens[k : 2 * k] == heads.draft_ids[second.indices].tolist() and parents[k : 2 * k] == [0] * k
+    torch.testing.assert_close(torch.tensor(logp[k : 2 * k], dtype=torch.float64), logp[0] + second.values.double(), atol=1e-5, rtol=0)
 
 
-def test_drafter_tree_respects_budget_depth_and_confidence(models):
+def _lattice(probabilities: list[list[float]]) -> list[Candidate]:
+    """A chain-of-siblings candidate list: at depth d, siblings with these path probabilities under node d-1's best."""
+    out: list[Candidate] = []
+    parent = -1
+    for depth, row in enumerate(probabilities, start=1):
+        first = len(out)
+        out += [Candidate(10 * depth + r, parent, depth, p, head_p=p) for r, p in enumerate(row)]
+        parent = first
+    return out
+
+
+def test_choose_tree_maximises_expected_tokens_per_second():
+    candidates = _lattice([[0.7, 0.2], [0.5, 0.1], [0.3]])
+    fixed = 0.1
+    for curve in (CURVES["flat"], CURVES["steep"], CostCurve((1, 2, 4, 8), (1.0, 1.2, 1.6, 1.9), (0.1, 0.1, 0.15, 0.2))):
+        chosen = choose_tree(candidates, curve, max_nodes=32, min_prob=0.0, fixed_seconds=fixed)
+        order = sorted(range(len(candidates)), key=lambda i: -candidates[i].estimate)
+        assert chosen == order[: len(chosen)]  # a prefix in order of estimate: parents come first
+
+        def value(n: int) -> float:
+            nodes = [candidates[i] for i in order[:n]]
+            internal = len({c.parent for c in nodes})
+            return (1 + sum(c.estimate for c in nodes)) / (curve.verify(n + 1, internal + 1) + fixed)
+
+        assert value(len(chosen)) == pytest.approx(max(value(n) for n in range(len(order) + 1)))
+    assert choose_tree(candidates, CURVES["steep"], 32, 0.0, fixed) == []  # nothing pays: plain decoding
+    assert len(choose_tree(candidates, CURVES["flat"], 32, 0.0, fixed)) == len(candidates)
+    # Without a curve: a fixed budget by confidence.
+    assert choose_tree(candidates, None, max_nodes=2, min_prob=0.0, fixed_seconds=0.0) == [0, 2]
+    assert [candidates[i].estimate for i in choose_tree(candidates, None, 32, 0.25, 0.0)] == [0.7, 0.5, 0.3]
+
+
+def test_cost_aware_decoding_falls_back_to_plain_steps_when_no_tree_pays(models):
     base, heads, _ = models["llama"]
-    k, depth = 3, heads.num_heads
-    # Synthetic head outputs: head d's candidates are tokens 10d..10d+2 with probabilities 0.6, 0.3, 0.1.
-    tokens = [float(10 * d + r) for d in range(depth) for r in range(k)]
-    logp = [float(torch.tensor(p).log()) for _ in range(depth) for p in (0.6, 0.3, 0.1)]
-    for nodes, min_prob, max_depth in [(5, 0.0, 9), (40, 0.05, 9), (40, 0.0, 2)]:
-        drafter = HeadsTreeDrafter(heads, AmsPolicy(top_k=k, init_nodes=nodes, max_nodes=max(nodes, 48),
-                                                    min_path_prob=min_prob, ngram=False))
-        tree, parents = drafter.propose(7, tokens + logp, [1, 2, 7], max_depth=max_depth)
-        spec = build_tree_spec(parents, torch.float32, torch.device("cpu"))
-        assert tree[0] == 7 and len(tree) - 1 <= nodes and spec.max_depth <= min(max_depth, depth)
-        for node, path in enumerate(spec.paths[1:], start=1):
-            d = len(path) - 1
-            assert tree[node] // 10 == d - 1  # depth-d nodes are head d's candidates
-            confidence = 1.0
-            for j in path[1:]:
-                confidence *= (0.6, 0.3, 0.1)[tree[j] % 10]
-            assert confidence >= min_prob
-        if nodes == 5:  # best-first: the five most confident paths
-            assert tree[1:] == [0, 10, 1, 20, 11]
+    prompt = list(range(5, 25))
+    steep = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=24, degeneration_guard=False,
+                     policy=AmsPolicy(ngram=False), curve=CURVES["steep"])
+    assert steep.tokens == hf_greedy(base, prompt, 24)
+    assert steep.stats["plain_steps"] == steep.stats["steps"] and steep.stats["nodes"] == 0
+    flat = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=24, degeneration_guard=False,
+                    policy=AmsPolicy(ngram=False), curve=CURVES["flat"])
+    assert flat.tokens == steep.tokens and flat.stats["nodes"] > 0
 
 
 def test_policy_validation():
     with pytest.raises(ValueError):
-        AmsPolicy(min_nodes=10, init_nodes=5)
+        AmsPolicy(beam=0)
     with pytest.raises(ValueError):
         AmsPolicy(min_path_prob=1.5)
     with pytest.raises(ValueError):
@@ -557,13 +599,26 @@ def test_fused_and_beam_modes(models):
     neutral = generate(base, prompt, mode="fused", heads=heads, max_new_tokens=16, degeneration_guard=False,
                        policy=AmsPolicy(fused_alpha=0.0))
     assert neutral.mode == "fused" and neutral.tokens == greedy.tokens  # alpha 0: P' = P
-    fused = generate(base, prompt, mode="fused", heads=heads, max_new_tokens=16, policy=AmsPolicy(fused_alpha=3.0))
-    assert len(fused.tokens) == 16 and fused.base_forwards == 15
+    policy = AmsPolicy(fused_alpha=3.0, fused_top_m=3)
+    fused = generate(base, prompt, mode="fused", heads=heads, max_new_tokens=16, degeneration_guard=False, policy=policy)
+    assert 0 < len(fused.tokens) <= 16
+    # The fused rule re-ranks only the base's own top-m candidates: every choice is one of them.
+    context = prompt.tolist()
+    with torch.no_grad():
+        for token in fused.tokens:
+            logits = base.model(input_ids=torch.tensor([context])).logits[0, -1]
+            assert token in torch.topk(logits, policy.fused_top_m).indices.tolist()
+            context.append(token)
+    assert fused.tokens != greedy.tokens[: len(fused.tokens)]  # alpha 3 does change some choice here
     one_beam = generate(base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=1),
                         degeneration_guard=False)
     assert one_beam.tokens == greedy.tokens
-    beam = generate(base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=3))
-    assert 0 < len(beam.tokens) <= 16 and beam.base_forwards >= 1
+    beam = generate(base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=3),
+                    degeneration_guard=False)
+    ids = prompt.view(1, -1)
+    reference = base.model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, early_stopping=True,
+                                    do_sample=False, max_new_tokens=16, pad_token_id=0)
+    assert beam.tokens == reference[0, ids.shape[1]:].tolist()[: len(beam.tokens)] and beam.tokens
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -627,10 +682,11 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     ])
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
-    assert set(summary) == {"modes", "speedup_vs_hf_greedy", "prompts", "max_new_tokens"}
-    assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams"}
+    assert set(summary) == {"modes", "speedup_vs_hf_greedy", "prompts", "max_new_tokens", "cost_curve"}
+    assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only"}
+    assert summary["cost_curve"]["1"] == 1.0 and all(c > 0 for c in summary["cost_curve"].values())
     assert set(summary["speedup_vs_hf_greedy"]) == set(summary["modes"])
     for row in summary["modes"].values():
-        assert set(row) == {"tokens_per_s", "tau", "identical_to_hf_greedy"}
-        assert row["identical_to_hf_greedy"] is True and row["tokens_per_s"] > 0
+        assert set(row) == {"tokens_per_s", "tau", "identical_to_hf_greedy", "mismatches", "divergences"}
+        assert row["identical_to_hf_greedy"] is True and row["mismatches"] == 0 and row["tokens_per_s"] > 0
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8

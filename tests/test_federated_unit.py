@@ -34,7 +34,8 @@ from common.params import (
     validate_metrics,
     validate_update,
 )
-from common.training import chunk_loader, heads_loss, targets_and_inputs
+from common.features import compute_features
+from common.training import feature_loader, heads_loss
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,11 +137,11 @@ def test_per_sample_clipping_bound(tiny_base):
     optimizer = torch.optim.SGD(heads.parameters(), lr=0.1)
     engine = PrivacyEngine(accountant="rdp")
     clip = 0.05
+    features = compute_features(tiny_base, chunks, progress=False)
     module, dp_optimizer, _ = engine.make_private(module=heads, optimizer=optimizer,
-                                                   data_loader=chunk_loader(chunks, 4, False),
+                                                   data_loader=feature_loader(features, 4, False),
                                                    noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=True)
-    hidden, targets = targets_and_inputs(tiny_base, chunks, distill=True)
-    heads_loss(module, hidden, targets).backward()
+    heads_loss(module, features.hidden, features.tokens, features.greedy).backward()
     params = [p for p in heads.parameters() if p.requires_grad]
     per_sample = torch.cat([p.grad_sample.reshape(len(chunks), -1) for p in params], dim=1)
     norms = per_sample.norm(dim=1)

@@ -13,6 +13,7 @@ from common.base import FedLookaheadError, load_base, resolve_device
 from common.cli import app
 from common.data import chunk_files, load_chunks, stdlib_files
 from common.heads import DraftHeads
+from common.features import compute_features
 from common.training import evaluate_heads, train_heads
 from tests.conftest import TINY_VOCAB, save_tiny
 
@@ -70,28 +71,47 @@ def test_cuda_requested_without_gpu_is_a_clear_error():
         resolve_device("cuda")
 
 
-def test_head_shapes_and_parameter_count(tiny_base):
+@pytest.mark.parametrize("arch", ["recurrent", "parallel"])
+def test_head_shapes_and_parameter_count(tiny_base, arch):
     d = tiny_base.hidden_size
-    heads = DraftHeads.fresh(tiny_base, num_heads=3)
+    heads = DraftHeads.fresh(tiny_base, num_heads=3, arch=arch, draft_vocab=list(range(0, TINY_VOCAB, 4)))
     # Fusion Linear(2d, d) plus K residual blocks of d*d + d each; embedding and LM head are not counted.
     assert heads.num_trainable() == (2 * d * d + d) + 3 * (d * d + d)
-    hidden = torch.randn(2, 5, d)
-    logits = heads(hidden, torch.randint(0, TINY_VOCAB, (2, 5)))
-    assert logits.shape == (2, 5, 3, tiny_base.vocab_size)
+    logits = heads(torch.randn(2, 5, d), torch.randint(0, TINY_VOCAB, (2, 5)))
+    assert len(logits) == 3 and all(x.shape == (2, 4, TINY_VOCAB // 4) for x in logits)
     assert set(heads.state_dict()) == {
         "fusion.proj.weight", "fusion.proj.bias",
-        *(f"lookahead.blocks.{k}.linear.{p}" for k in range(3) for p in ("weight", "bias")),
+        *(f"blocks.{k}.linear.{p}" for k in range(3) for p in ("weight", "bias")),
     }
 
 
 def test_fresh_heads_start_from_the_base_next_token_distribution(tiny_base):
-    """Identity fusion and zero-initialised residual blocks: every head begins as the base's LM head on h_t."""
-    heads = DraftHeads.fresh(tiny_base, num_heads=2)
+    """Identity fusion and zero-initialised residual blocks: head 1 begins as the base's LM head on h_t,
+    restricted to the draft vocabulary (and for the parallel architecture every head does)."""
+    vocab = list(range(1, TINY_VOCAB, 3))
     hidden = tiny_base.features(torch.tensor([[5, 6, 7, 8]]))
-    logits = heads(hidden, torch.tensor([[1, 2, 3, 4]]))
-    expected = tiny_base.model.get_output_embeddings()(hidden)
-    torch.testing.assert_close(logits[:, :, 0], expected)
-    torch.testing.assert_close(logits[:, :, 1], expected)
+    expected = tiny_base.model.get_output_embeddings()(hidden)[:, :-1][..., vocab]
+    for arch in ("recurrent", "parallel"):
+        logits = DraftHeads.fresh(tiny_base, num_heads=2, arch=arch, draft_vocab=vocab)(hidden, torch.tensor([[1, 2, 3, 4]]))
+        torch.testing.assert_close(logits[0], expected)
+    torch.testing.assert_close(logits[1], expected)
+
+
+def test_recurrent_training_pass_equals_step_by_step_drafting(tiny_base):
+    """The teacher-forced pass and the decoder's step() are one computation: head k at t fuses x_{t+1..t+k}."""
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tokens = torch.randint(0, TINY_VOCAB, (1, 9))
+    hidden = tiny_base.features(tokens)
+    logits = heads(hidden, tokens)
+    t = 2
+    state = hidden[0, t : t + 1]
+    for k in range(1, 4):
+        state, head_state = heads.step(tokens[0, t + k : t + k + 1], state, k)
+        torch.testing.assert_close(heads.draft_logits(head_state)[0], logits[k - 1][0, t])
 
 
 def test_save_load_round_trip_and_fingerprint_refusal(tmp_path, tiny_base, tiny_tokenizer):
@@ -172,9 +192,10 @@ def test_stdlib_split_is_disjoint_by_top_level_name():
 def test_short_training_beats_chance_by_a_wide_margin(tiny_base):
     torch.manual_seed(0)
     chunks = chunk_files(stdlib_files("train")[:25], tiny_base.tokenizer, 32)[:256]
+    features = compute_features(tiny_base, chunks, progress=False)
     heads = DraftHeads.fresh(tiny_base, num_heads=2)
-    history = train_heads(heads, tiny_base, chunks, epochs=6, lr=1e-2, batch_size=32)
-    report = evaluate_heads(heads, tiny_base, chunks[:128])
+    history = train_heads(heads, features, epochs=6, lr=1e-2, batch_size=32, show_progress=False)
+    report = evaluate_heads(heads, features.subset(slice(0, 128)))
     chance = 1 / tiny_base.vocab_size
     assert report["head_accuracy"][0] > 20 * chance
     assert history[-1]["loss"] < history[0]["loss"]
@@ -189,12 +210,24 @@ def test_train_heads_command(tmp_path, tiny_base_dir):
     result = CliRunner().invoke(
         app,
         ["train-heads", "--data", str(data), "--eval-data", str(data), "--out", str(out), "--base", str(tiny_base_dir),
-         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu"],
+         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu", "--draft-vocab", "128"],
+        env={"FEDLA_HOME": str(tmp_path / "home")},
     )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "train_report.json").read_text())
-    assert len(report["heldout"]["head_accuracy"]) == 2
+    assert len(report["heldout"]["head_accuracy"]) == 2 and report["draft_vocab"] == 128
     assert (out / "heads.safetensors").is_file()
+    assert len(DraftHeads.load(out, load_base(tiny_base_dir, device="cpu")).config.draft_vocab) == 128
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, tiny_base_dir):
+    """An unwritable output fails at once, not after minutes of training or benchmarking."""
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    result = CliRunner().invoke(app, ["train-heads", "--out", str(taken), "--base", str(tiny_base_dir)])
+    assert result.exit_code == 2 and "not a directory" in result.output
+    result = CliRunner().invoke(app, ["bench-decode", "--json", str(tmp_path), "--base", str(tiny_base_dir)])
+    assert result.exit_code == 2 and "is a directory" in result.output
 
 
 def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):

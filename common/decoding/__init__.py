@@ -35,7 +35,8 @@ from common.decoding.core import (
     sampling_probs,
 )
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
-from common.decoding.drafting import AmsPolicy, Drafter, HeadsTreeDrafter, NgramIndex
+from common.decoding.calibration import CostCurve, cost_curve
+from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.heads import DraftHeads
 
 MODES = ("ams", "greedy", "beam", "fused")
@@ -44,9 +45,9 @@ TREE_ATTENTION = ("eager", "sdpa")  # attention implementations that accept the 
 __all__ = [
     "MODES",
     "AmsPolicy",
+    "CostCurve",
     "DecodingFallbackWarning",
     "DegenerationGuard",
-    "Drafter",
     "GenerationResult",
     "HeadsTreeDrafter",
     "NgramIndex",
@@ -96,7 +97,7 @@ def _usable_heads(heads: DraftHeads | None, base: BaseModel, mode: str) -> Draft
             stacklevel=3,
         )
         return None
-    if heads.lm_head is not base.model.get_output_embeddings():  # same checkpoint, another loaded instance
+    if heads.base_lm_head is not base.model.get_output_embeddings():  # same checkpoint, another loaded instance
         rebound = DraftHeads(config, base)
         rebound.load_state_dict_checked({k: v.detach() for k, v in heads.state_dict().items()})
         heads = rebound
@@ -116,8 +117,13 @@ def generate(
     degeneration_guard: bool = True,
     policy: AmsPolicy | None = None,
     seed: int | None = None,
+    curve: CostCurve | None = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids` (batch size 1); see the module docstring."""
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` (batch size 1); see the module docstring.
+
+    `curve`: the device's verify cost curve for the cost-aware tree (default: measured once per
+    device and cached, see calibration.py); unused unless `policy.cost_aware`.
+    """
     if mode not in MODES:
         raise FedLookaheadError(f"unknown decoding mode {mode!r}: use one of {', '.join(MODES)}")
     check_sampling(temperature, top_p, max_new_tokens)
@@ -140,8 +146,11 @@ def generate(
     with Timer(base.device) as timer:
         if mode == "ams":
             try:
+                if policy.cost_aware and curve is None:
+                    curve = cost_curve(base)
                 tokens, forwards, reason, stats = ams_decode(
-                    base, ids, heads, policy, stopper, temperature, top_p, generator
+                    base, ids, heads, policy, stopper, temperature, top_p, generator, curve,
+                    reproducible=temperature > 0 and seed is not None,
                 )
             except UnsupportedCache as exc:
                 warnings.warn(f"AMS-LD does not support this base's {exc}; using greedy decoding",

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+import time
+
 from common.base import BaseModel
+from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner, Stopper, sampling_probs
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
 from common.decoding.tree import (
@@ -65,11 +68,18 @@ def ams_decode(
     temperature: float,
     top_p: float,
     generator: torch.Generator,
+    curve: CostCurve | None = None,
+    reproducible: bool = False,
 ) -> tuple[list[int], int, str, dict]:
-    """AMS-LD: draft a tree, verify it in one forward, keep the longest accepted path plus the bonus token."""
+    """AMS-LD: draft a tree, verify it in one forward, keep the longest accepted path plus the bonus token.
+
+    `curve` (this device's verify costs) lets the drafter size each tree; None: fixed budgets.
+    `reproducible`: do not feed step wall times back into tree sizing, so that a seeded sampling run
+    draws the same random numbers for the same trees every time.
+    """
     device = base.device
     runner = BaseRunner(base)
-    drafter = HeadsTreeDrafter(heads, policy)
+    drafter = HeadsTreeDrafter(heads, policy, curve)
     specs = TreeSpecCache(base.dtype, device)
     sampling = temperature > 0
     max_positions = base.max_positions
@@ -86,6 +96,7 @@ def ams_decode(
     reason = stopper.admit(tokens, [root])
     context.append(root)
     forwards = 0
+    step_started = time.perf_counter()
     while reason is None:
         past = runner.length
         tree_tokens, parents = drafter.propose(root, values, context, max_depth=max_positions - 1 - past)
@@ -104,8 +115,10 @@ def ams_decode(
         path = spec.paths[int(packed[0])]
         root, values = int(packed[1]), packed[2:]
         keep_cache_path(runner.cache, past, path)
+        now = time.perf_counter()
+        drafter.feedback(path[1:], 0.0 if reproducible else now - step_started)
+        step_started = now
         accepted = [tree_tokens[i] for i in path[1:]]
-        drafter.feedback(accepted)
         accepted.append(root)
         reason = stopper.admit(tokens, accepted)
         context.extend(accepted)
@@ -144,7 +157,8 @@ def fused_decode(
         else:
             logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, m)
-        head_logits = heads(hidden.view(1, -1).expand(m, -1), top.indices)[:, 0].float()  # (m, V)
+        _, head_state = heads.step(top.indices, hidden.view(1, -1).expand(m, -1), 1)
+        head_logits = heads.draft_logits(head_state).float()  # (m, N): head 1 after fusing each candidate
         confidence = head_logits.max(-1).values - torch.logsumexp(head_logits, dim=-1)  # log p_head1(top token)
         score = top.values + alpha * confidence
         if temperature > 0:

@@ -1,23 +1,39 @@
-"""Drafting for AMS-LD: the adaptive policy, the heads' tree drafter and the n-gram (prompt-lookup) source.
+"""Drafting for AMS-LD: the policy, the heads' tree drafter, the n-gram source and the cost model.
 
 The decoder talks to a drafter through a small interface, in the spirit of transformers'
 `CandidateGenerator` (`get_candidates` / `update_candidate_strategy`), split in two so that the
 device work runs before the one host-device synchronisation of a step:
 
-    draft_inputs(hidden, token) -> device tensor   queued on the device before the acceptance sync
-    propose(root, values, context) -> (tokens, parents)   on the host, from the synced values
-    feedback(accepted_tokens)                      after verification: adapt the tree for the next step
+    draft_inputs(hidden, token) -> device tensor   the heads' candidate lattice, queued on the device
+    propose(root, values, context, max_depth) -> (tokens, parents)   on the host: choose the tree
+    feedback(accepted, seconds)                    after verification: update the acceptance estimates
+
+Choosing the tree (Sequoia's and EAGLE-2's argument, made hardware-aware): every candidate node i
+has an estimated probability a_i that the base accepts the whole path to it, so a tree T yields
+1 + sum_{i in T} a_i tokens in expectation (the bonus token included), and costs
+c(|T| + 1 nodes, LM-head rows) seconds to verify, measured on this device (calibration.py), plus the
+fixed cost of a step. AMS-LD takes the candidates in order of a_i (an order in which parents come
+before children, since a path's probability can only fall along it) and keeps the prefix that
+maximises expected tokens per second. Where no tree pays (a steep c(n) or unsure heads) the best
+prefix is empty, the step is plain decoding, and the heads are only consulted again every
+`probe_every` steps until a tree pays again.
+
+The estimates a_i: the heads' path probability (product of softmax probabilities along the path),
+scaled per depth by how often drafts at that depth were accepted so far in this generation
+(observed / predicted, with a prior of `prior_steps` steps at face value); the n-gram chain's j-th
+token is estimated by how often its chains reached length j in this generation.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
+import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
+from common.decoding.calibration import CostCurve
 from common.heads import DraftHeads
 
 
@@ -25,72 +41,45 @@ from common.heads import DraftHeads
 class AmsPolicy:
     """Every knob of the adaptive multi-step lookahead controller, in one place.
 
-    Tree growth (EAGLE-2 style): the heads' top `top_k` tokens per lookahead step span a lattice;
-    nodes are added best-first by cumulative confidence (product of head probabilities along the
-    path) until the node budget is spent or the best remaining node's confidence falls below
-    `min_path_prob`, which is where confidence predicts rejection: that stops extending a branch, so
-    the number of lookahead steps varies per step and per branch.
+    Drafting (EAGLE-2's dynamic tree): at each lookahead depth the `beam` most confident nodes
+    are expanded by their `top_k` best next tokens, up to `max_depth` (0: as many steps as there
+    are heads). The n-gram source (prompt lookup over prompt and output) adds one chain whose
+    length follows transformers' heuristic schedule (+2 after full acceptance, -1 otherwise) within
+    [`ngram_min_len`, `ngram_max_len`].
 
-    Adaptation (every step): after a full acceptance (the whole deepest drafted path matched) the
-    node budget grows by `grow`, after a rejection at the first step it shrinks by `shrink`, within
-    [`min_nodes`, `max_nodes`]. The n-gram source (prompt lookup over the prompt and the output so
-    far) adds one chain of candidates when the first head is unsure (top-1 probability below
-    `ngram_trigger`; 1.0 = always); its length follows transformers' heuristic schedule (+2 after
-    full acceptance, -1 otherwise) within [`ngram_min_len`, `ngram_max_len`]. Right after the n-gram
-    chain was accepted in full (typically inside a repetition) the heads get only
-    `ngram_confident_nodes` nodes (0: the heads are not even run): the chain is the likely path and
-    extra nodes cost compute.
-
-    Defaults were chosen by measurement on the embedded default base with centrally trained heads
-    (stdlib held-out prompts, batch 1, CPU): verifying q tree nodes costs about 1 + 0.05-0.1 (q - 1)
-    single-token forwards there, so only nodes with a fair chance of acceptance (cumulative
-    confidence >= 8%) pay for themselves, and small trees (8-24 nodes) beat large ones.
+    Tree size: with `cost_aware` the cost model above picks the size (at most `max_nodes` drafted
+    nodes); without it, every candidate whose path probability is at least `min_path_prob` is
+    verified, up to `max_nodes` (a fixed budget, for tests and ablations).
 
     `fused_alpha` and `fused_top_m` belong to the separate, output-changing "fused" mode, and
     `beam_width` to the beam-search baseline.
     """
 
     top_k: int = 4
+    beam: int = 4
     heads: bool = True  # draw candidates from the lookahead heads (False: n-gram source only, an ablation)
-    max_depth: int = 0  # cap on head lookahead steps; 0 = as many as there are heads
-    init_nodes: int = 8
-    min_nodes: int = 2
-    max_nodes: int = 24
-    grow: float = 1.25
-    shrink: float = 0.8
-    min_path_prob: float = 0.08
+    max_depth: int = 0
+    max_nodes: int = 32
+    cost_aware: bool = True
+    min_path_prob: float = 0.0
+    prior_steps: float = 4.0
+    probe_every: int = 8
     ngram: bool = True
     ngram_sizes: tuple[int, ...] = (4, 3, 2, 1)
-    ngram_trigger: float = 1.0
-    ngram_init_len: int = 8
+    ngram_init_len: int = 6
     ngram_min_len: int = 2
-    ngram_max_len: int = 24
-    ngram_confident_nodes: int = 0
+    ngram_max_len: int = 16
     fused_alpha: float = 0.5
     fused_top_m: int = 4
     beam_width: int = 4
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.min_nodes < 0 or not self.min_nodes <= self.init_nodes <= self.max_nodes:
-            raise ValueError("AmsPolicy needs top_k >= 1 and 0 <= min_nodes <= init_nodes <= max_nodes")
-        if not 0.0 <= self.min_path_prob < 1.0 or self.grow < 1.0 or not 0.0 < self.shrink <= 1.0:
-            raise ValueError("AmsPolicy needs 0 <= min_path_prob < 1, grow >= 1 and 0 < shrink <= 1")
+        if self.top_k < 1 or self.beam < 1 or self.max_nodes < 0 or self.max_depth < 0:
+            raise ValueError("AmsPolicy needs top_k >= 1, beam >= 1, max_nodes >= 0 and max_depth >= 0")
+        if not 0.0 <= self.min_path_prob < 1.0 or self.prior_steps < 0 or self.probe_every < 1:
+            raise ValueError("AmsPolicy needs 0 <= min_path_prob < 1, prior_steps >= 0 and probe_every >= 1")
         if not 1 <= self.ngram_min_len <= self.ngram_init_len <= self.ngram_max_len or not self.ngram_sizes:
             raise ValueError("AmsPolicy needs 1 <= ngram_min_len <= ngram_init_len <= ngram_max_len and ngram sizes")
-
-
-class Drafter(Protocol):
-    """What the AMS-LD decoder needs from a source of draft trees."""
-
-    def reset(self, context: Sequence[int]) -> None: ...
-
-    def draft_inputs(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor: ...
-
-    def propose(
-        self, root: int, values: list[float], context: Sequence[int], max_depth: int
-    ) -> tuple[list[int], tuple[int, ...]]: ...
-
-    def feedback(self, accepted: Sequence[int]) -> None: ...
 
 
 class NgramIndex:
@@ -134,146 +123,199 @@ class NgramIndex:
         return []
 
 
-class HeadsTreeDrafter:
-    """Draft trees from the lookahead heads (plus the n-gram source), sized by an adaptive policy.
+@dataclass
+class Candidate:
+    token: int
+    parent: int  # index into the candidate list; -1 = the root
+    depth: int
+    estimate: float  # estimated probability that the base accepts the whole path to this node
+    head_p: float = 0.0  # the heads' own path probability (0: not a head candidate)
+    chain_pos: int = 0  # position in the n-gram chain (0: not on it)
 
-    Head k (fused with the root token x_{t+1}) proposes x_{t+k+1}, so depth-k nodes are head k's
-    candidates. The heads do not see the tokens drafted between, so every node at depth k draws its
-    children from the same top-k list of head k+1; the best-first search below is EAGLE-2's dynamic
-    tree over that lattice.
+
+def choose_tree(candidates: list[Candidate], curve: CostCurve | None, max_nodes: int, min_prob: float,
+                fixed_seconds: float) -> list[int]:
+    """Indices of the candidates to verify, parents before children (see the module docstring).
+
+    `candidates` must list parents before children. With a cost curve, the prefix (in order of
+    estimate) maximising (1 + sum a_i) / (c(n + 1, LM rows) + fixed_seconds); without one, every
+    candidate with estimate >= min_prob, up to max_nodes.
     """
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].estimate, candidates[i].depth))
+    order = [i for i in order if candidates[i].estimate > 0][:max_nodes]
+    if curve is None:
+        return [i for i in order if candidates[i].estimate >= min_prob]
+    has_child: set[int] = set()
+    internal = 0  # nodes with children need a row of the LM head; the root does once it has a child
+    expected, best_value, best_n = 1.0, 1.0 / (curve.verify(1, 1) + fixed_seconds), 0
+    for n, i in enumerate(order, start=1):
+        parent = candidates[i].parent
+        if parent not in has_child:
+            has_child.add(parent)
+            internal += 1
+        expected += candidates[i].estimate
+        value = expected / (curve.verify(n + 1, internal + 1) + fixed_seconds)
+        if value > best_value:
+            best_value, best_n = value, n
+    return order[:best_n]
 
-    def __init__(self, heads: DraftHeads | None, policy: AmsPolicy) -> None:
+
+class AcceptanceModel:
+    """Per-depth calibration of the heads' confidence, and the n-gram chain's hit rates, in one generation."""
+
+    def __init__(self, depth: int, chain_len: int, prior: float) -> None:
+        self.predicted = [prior] * (depth + 1)  # sum of head path probabilities proposed at each depth
+        self.observed = [prior] * (depth + 1)  # accepted head nodes at each depth
+        self.chain_tries = [0.0] * (chain_len + 1)
+        self.chain_hits = [0.0] * (chain_len + 1)
+
+    def head_scale(self, depth: int) -> float:
+        return self.observed[depth] / self.predicted[depth] if self.predicted[depth] > 0 else 1.0
+
+    def chain_rate(self, position: int) -> float:
+        """P(a chain reaches this position | proposed), Laplace-smoothed."""
+        return (self.chain_hits[position] + 1.0) / (self.chain_tries[position] + 2.0)
+
+    def update(self, tree: list[Candidate], accepted: set[int]) -> None:
+        """`tree`: the verified candidates; `accepted`: the indices (into `tree`) on the accepted path."""
+        for i, node in enumerate(tree):
+            hit = 1.0 if i in accepted else 0.0
+            if node.head_p > 0:
+                self.predicted[node.depth] += node.head_p
+                self.observed[node.depth] += hit
+            if node.chain_pos:
+                self.chain_tries[node.chain_pos] += 1.0
+                self.chain_hits[node.chain_pos] += hit
+
+
+class HeadsTreeDrafter:
+    """Draft trees from the lookahead heads (plus the n-gram source), sized by the cost model."""
+
+    def __init__(self, heads: DraftHeads | None, policy: AmsPolicy, curve: CostCurve | None = None) -> None:
         self.heads = heads
         self.policy = policy
-        self.num_heads = heads.num_heads if heads is not None and policy.heads else 0
-        depth = self.num_heads if policy.max_depth <= 0 else min(policy.max_depth, self.num_heads)
-        self.head_depth = depth
-        self.top_k = policy.top_k
-        self.log_min = math.log(policy.min_path_prob) if policy.min_path_prob > 0 else -math.inf
-        self.ngram = NgramIndex(policy.ngram_sizes) if policy.ngram else None
-        self.nodes = float(policy.init_nodes)
-        self.ngram_len = policy.ngram_init_len
-        self._tree_depth = 0
-        self._chain: list[int] = []
-        self._chain_hit = False
-        self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0}
-        self._packed = self._pack_heads(heads, depth) if heads is not None and depth > 0 else None
-
-    @staticmethod
-    def _pack_heads(heads: DraftHeads, depth: int) -> tuple[torch.Tensor, ...]:
-        """The heads' weights rearranged so one step costs a handful of kernels instead of one per head.
-
-        fused = W_f [E(x); h] + b_f;  states_k = fused + SiLU(W_k fused + b_k) for k < depth, as
-        DraftHeads.forward computes them, with the K residual blocks stacked into one matrix.
-        """
-        with torch.no_grad():
-            proj = heads.fusion.proj
-            blocks = list(heads.lookahead.blocks)[:depth]
-            stacked_w = torch.cat([b.linear.weight for b in blocks], dim=0)  # (depth*d, d)
-            stacked_b = torch.cat([b.linear.bias for b in blocks], dim=0)
-            return (proj.weight.detach(), proj.bias.detach(), stacked_w.detach(), stacked_b.detach())
-
-    def _head_logits(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """(depth, V) logits of the first `depth` heads for one position (same maths as DraftHeads.forward)."""
-        heads = self.heads
-        w_f, b_f, w_k, b_k = self._packed
-        dtype = w_f.dtype
-        x = torch.cat([heads.embed(token.view(1)).to(dtype)[0], hidden.to(dtype)])
-        fused = torch.addmv(b_f, w_f, x)  # (d,)
-        states = fused + torch.nn.functional.silu(torch.addmv(b_k, w_k, fused)).view(self.head_depth, -1)
-        return heads.lm_head(states.to(heads.lm_head.weight.dtype))
+        num_heads = heads.num_heads if heads is not None and policy.heads else 0
+        self.head_depth = num_heads if policy.max_depth <= 0 else min(policy.max_depth, num_heads)
+        self.curve = curve if policy.cost_aware else None
+        self.reset(())
 
     def reset(self, context: Sequence[int]) -> None:
-        self.nodes = float(self.policy.init_nodes)
-        self.ngram_len = self.policy.ngram_init_len
-        self._chain, self._chain_hit, self._tree_depth = [], False, 0
-        if self.ngram is not None:
-            self.ngram = NgramIndex(self.policy.ngram_sizes)
-        self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0}
+        policy = self.policy
+        self.ngram = NgramIndex(policy.ngram_sizes) if policy.ngram else None
+        self.ngram_len = policy.ngram_init_len
+        self.acceptance = AcceptanceModel(max(self.head_depth, 1), policy.ngram_max_len, policy.prior_steps)
+        self._tree: list[Candidate] = []
+        self._chain: list[int] = []
+        self._idle = 0  # steps since the last tree that paid; the heads are skipped while idle
+        self.fixed_seconds = 0.0  # EMA of a step's cost beyond the verify forward (drafting, bookkeeping)
+        self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0, "plain_steps": 0}
+
+    # -------------------------------------------------------------------- device side
+    def _heads_due(self) -> bool:
+        return self._idle == 0 or self._idle % self.policy.probe_every == 0
 
     def draft_inputs(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Device tensor [K*k tokens, K*k log-probs] of the heads' top candidates (no sync)."""
-        if self.heads is None or self.head_depth == 0 or (self._chain_hit and self.policy.ngram_confident_nodes == 0):
-            return hidden.new_zeros(0, dtype=torch.float64)
-        logits = self._head_logits(hidden, token).float()  # (K, V)
-        top = torch.topk(logits, self.top_k, dim=-1)
-        logp = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
-        return torch.cat([top.indices.flatten().double(), logp.flatten().double()])
+        """Device tensor [tokens | parents | log path probabilities] of the heads' candidates (no sync).
 
+        Depth 1 expands the root by its top_k; every further depth expands the `beam` best
+        candidates of the depth before (by path probability), each by its own top_k.
+        """
+        heads, depth_limit = self.heads, self.head_depth
+        if heads is None or depth_limit == 0 or not self._heads_due():
+            return hidden.new_zeros(0, dtype=torch.float64)
+        k = self.policy.top_k
+        draft_ids = heads.draft_ids
+        tokens, states, cum = token.view(1), hidden.view(1, -1), hidden.new_zeros(1, dtype=torch.float32)
+        parents = torch.full((1,), -1, dtype=torch.long, device=hidden.device)
+        offset, out_tokens, out_parents, out_logp = 0, [], [], []
+        for depth in range(1, depth_limit + 1):
+            states, head_state = heads.step(tokens, states, depth)
+            logp = torch.log_softmax(heads.draft_logits(head_state).float(), dim=-1)
+            top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            width = top.indices.shape[1]
+            cand_logp = (cum.view(-1, 1) + top.values).flatten()  # (w * k,)
+            cand_tokens = draft_ids[top.indices.flatten()]
+            cand_parents = parents.repeat_interleave(width)
+            out_tokens.append(cand_tokens)
+            out_parents.append(cand_parents)
+            out_logp.append(cand_logp)
+            if depth == depth_limit:
+                break
+            keep = torch.topk(cand_logp, min(self.policy.beam, len(cand_logp))).indices
+            tokens, cum = cand_tokens[keep], cand_logp[keep]
+            states = states.repeat_interleave(width, dim=0)[keep]
+            parents = keep + offset  # global candidate index of each kept node
+            offset += len(cand_logp)
+        return torch.cat([torch.cat(out_tokens).double(), torch.cat(out_parents).double(), torch.cat(out_logp).double()])
+
+    # -------------------------------------------------------------------- host side
     def propose(
         self, root: int, values: list[float], context: Sequence[int], max_depth: int
     ) -> tuple[list[int], tuple[int, ...]]:
         """Tokens and parent indices of the next tree (node 0 is `root`), at most `max_depth` deep."""
-        k = self.top_k
-        depth_limit = min(self.head_depth, max_depth)
-        tokens = [root]
-        parents = [-1]
+        candidates: list[Candidate] = []
         children: dict[tuple[int, int], int] = {}
-        head_top1 = 0.0
-        if depth_limit > 0 and values:
-            n_values = self.head_depth * k
-            tok = [int(v) for v in values[:n_values]]
-            lp = values[n_values:]
-            head_top1 = math.exp(lp[0])
-            budget = int(self.nodes) if not self._chain_hit else min(int(self.nodes), self.policy.ngram_confident_nodes)
-            log_min = self.log_min
-            # Best-first over the lattice: entries (-score, parent node, depth of the candidate, rank).
-            heap = [(-lp[0], 0, 1, 0)]
-            while heap and len(tokens) <= budget:
-                neg, parent, d, r = heapq.heappop(heap)
-                if -neg < log_min:
-                    break
-                base = (d - 1) * k
-                token = tok[base + r]
-                node = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-                children[(parent, token)] = node
-                if r + 1 < k:  # next sibling: same parent, next-best candidate of the same head
-                    heapq.heappush(heap, (neg + lp[base + r] - lp[base + r + 1], parent, d, r + 1))
-                if d < depth_limit:  # first child: best candidate of the next head
-                    heapq.heappush(heap, (neg - lp[base + k], node, d + 1, 0))
+        index_of: dict[int, int] = {-1: -1}  # the heads' candidate index -> position in `candidates`
+        acceptance = self.acceptance
+        m = len(values) // 3
+        for i in range(m):
+            parent = index_of.get(int(values[m + i]))
+            if parent is None:  # its parent lay beyond max_depth
+                continue
+            depth = 1 if parent < 0 else candidates[parent].depth + 1
+            if depth > max_depth:
+                continue
+            p = math.exp(values[2 * m + i])
+            estimate = min(1.0, p * acceptance.head_scale(depth))
+            if parent >= 0:
+                estimate = min(estimate, candidates[parent].estimate)
+            index_of[i] = len(candidates)
+            children[(parent, int(values[i]))] = len(candidates)
+            candidates.append(Candidate(int(values[i]), parent, depth, estimate, head_p=p))
         self._chain = []
-        if self.ngram is not None and head_top1 < self.policy.ngram_trigger and max_depth > 0:
-            chain = self.ngram.lookup(context, min(self.ngram_len, max_depth))
-            self._chain = chain
-            node = 0
-            for token in chain:
-                nxt = children.get((node, token))
-                if nxt is None:
-                    nxt = len(tokens)
-                    tokens.append(token)
-                    parents.append(node)
-                    children[(node, token)] = nxt
-                node = nxt
-            if chain:
-                self.stats["ngram_steps"] += 1
-        self._tree_depth = self._depth_of(parents)
+        if self.ngram is not None and max_depth > 0:
+            self._chain = self.ngram.lookup(context, min(self.ngram_len, max_depth))
+            node = -1
+            for pos, token in enumerate(self._chain, start=1):
+                rate = acceptance.chain_rate(pos)
+                index = children.get((node, token))
+                if index is None:
+                    index = len(candidates)
+                    children[(node, token)] = index
+                    depth = pos
+                    candidates.append(Candidate(token, node, depth, 0.0))
+                cand = candidates[index]
+                cand.chain_pos = pos
+                cand.estimate = max(cand.estimate, rate if node < 0 else min(rate, candidates[node].estimate))
+                node = index
+        chosen = choose_tree(candidates, self.curve, self.policy.max_nodes, self.policy.min_path_prob,
+                             self.fixed_seconds)
+        if self._chain and any(candidates[i].chain_pos for i in chosen):
+            self.stats["ngram_steps"] += 1
+        position = {c: n for n, c in enumerate(chosen, start=1)}
+        tokens = [root] + [candidates[i].token for i in chosen]
+        parents = [-1] + [0 if candidates[i].parent < 0 else position[candidates[i].parent] for i in chosen]
+        self._tree = [candidates[i] for i in chosen]
         self.stats["steps"] += 1
-        self.stats["nodes"] += len(tokens) - 1
+        self.stats["nodes"] += len(chosen)
+        if not chosen:
+            self.stats["plain_steps"] += 1
         return tokens, tuple(parents)
 
-    @staticmethod
-    def _depth_of(parents: Sequence[int]) -> int:
-        depth = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
-        return max(depth)
-
-    def feedback(self, accepted: Sequence[int]) -> None:
-        """`accepted`: the drafted tokens the base accepted this step (root and bonus excluded)."""
-        n = len(accepted)
+    def feedback(self, accepted_path: Sequence[int], step_seconds: float = 0.0) -> None:
+        """`accepted_path`: tree-node indices of the accepted drafted nodes (root excluded), in order;
+        `step_seconds`: the step's wall time, which calibrates the cost beyond the verify forward."""
+        tree = self._tree
+        n = len(accepted_path)
         self.stats["accepted"] += n
-        policy = self.policy
-        if n >= self._tree_depth and n > 0:
-            self.nodes = min(float(policy.max_nodes), self.nodes * policy.grow)
-        elif n == 0:
-            self.nodes = max(float(policy.min_nodes), self.nodes * policy.shrink)
+        self.acceptance.update(tree, {node - 1 for node in accepted_path})
+        if self.curve is not None and step_seconds > 0:
+            internal = len({c.parent for c in tree})
+            extra = max(0.0, step_seconds - self.curve.verify(len(tree) + 1, internal + 1))
+            self.fixed_seconds = 0.8 * self.fixed_seconds + 0.2 * extra if self.stats["steps"] > 1 else extra
+        self._idle = 0 if tree else self._idle + 1  # idle: no tree paid; the heads are probed now and then
         chain = self._chain
-        self._chain_hit = bool(chain) and list(accepted[: len(chain)]) == chain
         if chain:
-            if self._chain_hit:
-                self.ngram_len = min(policy.ngram_max_len, self.ngram_len + 2)
-            else:
-                self.ngram_len = max(policy.ngram_min_len, self.ngram_len - 1)
+            hit = n >= len(chain) and [tree[i - 1].token for i in accepted_path[: len(chain)]] == chain
+            policy = self.policy
+            self.ngram_len = min(policy.ngram_max_len, self.ngram_len + 2) if hit else max(policy.ngram_min_len, self.ngram_len - 1)

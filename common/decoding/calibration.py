@@ -1,0 +1,138 @@
+"""The device's verify cost curve c(n): what one base forward over n new tokens costs here.
+
+Speculative decoding pays only when the tokens a tree is expected to yield beat what verifying it
+costs, and that cost depends on the machine: on a GPU a 64-node tree costs about one token's step,
+on a 2-core CPU it costs several. So AMS-LD does not guess: at first use per (base, device, dtype,
+threads) it times the base's body over n = 1, 2, 4, ... new tokens after a KV cache of `past`
+tokens, and the LM head over n rows, and caches the curve as JSON under $FEDLA_HOME/calibration.
+Costs between measured sizes are interpolated linearly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from common.base import BaseModel
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_PAST = 256  # cached tokens before the timed forward (a typical prompt plus some output)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one base-body forward over n new tokens, and of the LM head over n rows."""
+
+    sizes: tuple[int, ...]
+    body_seconds: tuple[float, ...]
+    lm_head_seconds: tuple[float, ...]
+    key: str = ""
+
+    def _interp(self, values: tuple[float, ...], n: float) -> float:
+        sizes = self.sizes
+        if n <= sizes[0]:
+            return values[0] * n / sizes[0] if n < sizes[0] else values[0]
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):  # beyond the largest size: extend the last segment's slope
+            i = len(sizes) - 1
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], values[i - 1], values[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def body(self, n: float) -> float:
+        return self._interp(self.body_seconds, n)
+
+    def lm_head(self, rows: float) -> float:
+        return self._interp(self.lm_head_seconds, rows) if rows > 0 else 0.0
+
+    def verify(self, nodes: int, lm_rows: int) -> float:
+        """One tree step: the body over `nodes` tokens and the LM head over `lm_rows` rows."""
+        return self.body(nodes) + self.lm_head(lm_rows)
+
+    def relative(self) -> dict[int, float]:
+        """c(n) / c(1) for a full step (body + LM head over one row), as the README tables show it."""
+        one = self.verify(1, 1)
+        return {n: round(self.verify(n, 1) / one, 3) for n in self.sizes}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostCurve:
+        return cls(tuple(data["sizes"]), tuple(data["body_seconds"]), tuple(data["lm_head_seconds"]), data["key"])
+
+
+def calibration_key(base: BaseModel) -> str:
+    """What the curve depends on: base, device, dtype, threads and the torch build."""
+    return f"{base.fingerprint}-{base.device.type}-{str(base.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-{torch.__version__}"
+
+
+def _timed(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up: allocator growth and lazy kernels
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    base: BaseModel, sizes: tuple[int, ...] = CALIBRATION_SIZES, past: int = CALIBRATION_PAST, repeats: int = 5
+) -> CostCurve:
+    """Time the body over n new tokens after `past` cached ones (median of `repeats`), and the LM head."""
+    past = max(1, min(past, base.max_positions - max(sizes) - 1))
+    body, lm_head = base.model.base_model, base.model.get_output_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, base.vocab_size, (1, past), generator=generator).to(base.device)
+    cache = DynamicCache(config=base.model.config)
+    body(input_ids=prefix, past_key_values=cache, use_cache=True)
+    body_seconds, head_seconds = [], []
+    for n in sizes:
+        new = torch.randint(0, base.vocab_size, (1, n), generator=generator).to(base.device)
+        positions = torch.arange(past, past + n, device=base.device).view(1, -1)
+
+        def step() -> None:
+            body(input_ids=new, past_key_values=cache, position_ids=positions, use_cache=True)
+            cache.crop(-n)  # every repeat sees the same `past` cached tokens
+
+        rows = torch.randn(n, base.hidden_size, generator=generator).to(base.device, base.dtype)
+        body_seconds.append(_timed(step, repeats, base.device))
+        head_seconds.append(_timed(lambda: lm_head(rows), repeats, base.device))
+    return CostCurve(tuple(sizes), tuple(body_seconds), tuple(head_seconds), calibration_key(base))
+
+
+def calibration_dir() -> Path:
+    from common.default_model import cache_root
+
+    return cache_root() / "calibration"
+
+
+def cost_curve(base: BaseModel, directory: Path | None = None, remeasure: bool = False) -> CostCurve:
+    """The cached curve for this (base, device, dtype, threads), measured on first use (a few seconds)."""
+    key = calibration_key(base)
+    path = (directory or calibration_dir()) / f"{key}.json"
+    if path.is_file() and not remeasure:
+        try:
+            curve = CostCurve.from_json(json.loads(path.read_text()))
+            if curve.key == key:
+                return curve
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache file is re-measured, not trusted
+    curve = measure_cost_curve(base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(curve.to_json(), indent=1))
+    tmp.replace(path)
+    return curve

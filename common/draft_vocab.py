@@ -1,0 +1,40 @@
+"""The draft vocabulary: the heads score only the N tokens the base actually tends to emit.
+
+Built from public data only (never a client's private text, whose token frequencies would leak
+through the heads' config, which every client receives): the base's greedy choices over public
+chunks, ranked by frequency. The end-of-sequence tokens are always included, so the heads can
+draft the end of an answer. Coverage (the share of greedy choices inside the vocabulary) says how
+often the draft vocabulary alone rules out a correct draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.base import BaseModel, FedLookaheadError
+from common.decoding.core import eos_ids
+from common.features import Features
+
+
+def build_draft_vocab(base: BaseModel, public: Features, size: int) -> list[int]:
+    """The `size` most frequent greedy tokens of the base on public features (ties: lower id first)."""
+    if size < 1:
+        raise FedLookaheadError(f"draft vocabulary size must be positive, got {size}")
+    if size >= base.vocab_size:
+        return []  # the whole vocabulary: nothing to restrict
+    counts = torch.bincount(public.greedy.flatten(), minlength=base.vocab_size).double()
+    for token in eos_ids(base):
+        counts[token] = float("inf")
+    # Stable ranking: by count, then by id (argsort of -count is stable with stable=True).
+    order = torch.argsort(-counts, stable=True)
+    return sorted(order[:size].tolist())
+
+
+def coverage(draft_vocab: list[int], features: Features) -> float:
+    """Share of the base's greedy choices in `features` that the draft vocabulary contains."""
+    if not draft_vocab:
+        return 1.0
+    inside = torch.zeros(int(features.greedy.max()) + 1 if features.greedy.numel() else 1, dtype=torch.bool)
+    ids = torch.tensor([t for t in draft_vocab if t < len(inside)], dtype=torch.long)
+    inside[ids] = True
+    return float(inside[features.greedy.flatten()].float().mean()) if features.greedy.numel() else 1.0
