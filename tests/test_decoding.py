@@ -690,3 +690,19 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
         assert set(row) == {"tokens_per_s", "tau", "identical_to_hf_greedy", "mismatches", "divergences"}
         assert row["identical_to_hf_greedy"] is True and row["mismatches"] == 0 and row["tokens_per_s"] > 0
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8
+
+
+def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(tmp_path, models):
+    from common.decoding.calibration import calibration_key, cost_curve
+
+    base = models["llama"][0]
+    curve = cost_curve(base, directory=tmp_path)
+    assert curve.key == calibration_key(base) and curve.sizes[0] == 1
+    assert all(a <= b for a, b in zip(curve.body_seconds, curve.body_seconds[1:]))  # more tokens never cost less
+    assert all(a <= b for a, b in zip(curve.lm_head_seconds, curve.lm_head_seconds[1:]))
+    assert curve.relative()[1] == 1.0 and curve.verify(4, 2) >= curve.verify(1, 1)
+    path = tmp_path / f"{curve.key}.json"
+    assert cost_curve(base, directory=tmp_path) == curve  # cached: the same curve, not re-timed
+    path.write_text("{not json")
+    remeasured = cost_curve(base, directory=tmp_path)
+    assert remeasured.key == curve.key and CostCurve.from_json(json.loads(path.read_text())) == remeasured

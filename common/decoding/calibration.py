@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
-import statistics
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,43 +73,56 @@ def calibration_key(base: BaseModel) -> str:
     return f"{base.fingerprint}-{base.device.type}-{str(base.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-{torch.__version__}"
 
 
-def _timed(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: allocator growth and lazy kernels
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+def _seconds(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
 def measure_cost_curve(
     base: BaseModel, sizes: tuple[int, ...] = CALIBRATION_SIZES, past: int = CALIBRATION_PAST, repeats: int = 5
 ) -> CostCurve:
-    """Time the body over n new tokens after `past` cached ones (median of `repeats`), and the LM head."""
+    """Time the body over n new tokens after `past` cached ones, and the LM head over n rows.
+
+    The sizes are interleaved within each repeat and the fastest repeat is kept: other work on the
+    machine only ever adds time, and interleaving spreads a burst of it over every size alike rather
+    than bending the curve.
+    """
     past = max(1, min(past, base.max_positions - max(sizes) - 1))
     body, lm_head = base.model.base_model, base.model.get_output_embeddings()
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, base.vocab_size, (1, past), generator=generator).to(base.device)
     cache = DynamicCache(config=base.model.config)
     body(input_ids=prefix, past_key_values=cache, use_cache=True)
-    body_seconds, head_seconds = [], []
+    steps, heads = [], []
     for n in sizes:
         new = torch.randint(0, base.vocab_size, (1, n), generator=generator).to(base.device)
         positions = torch.arange(past, past + n, device=base.device).view(1, -1)
+        rows = torch.randn(n, base.hidden_size, generator=generator).to(base.device, base.dtype)
 
-        def step() -> None:
+        def step(new: torch.Tensor = new, positions: torch.Tensor = positions, n: int = n) -> None:
             body(input_ids=new, past_key_values=cache, position_ids=positions, use_cache=True)
             cache.crop(-n)  # every repeat sees the same `past` cached tokens
 
-        rows = torch.randn(n, base.hidden_size, generator=generator).to(base.device, base.dtype)
-        body_seconds.append(_timed(step, repeats, base.device))
-        head_seconds.append(_timed(lambda: lm_head(rows), repeats, base.device))
+        steps.append(step)
+        heads.append(lambda rows=rows: lm_head(rows))
+    body_seconds = [math.inf] * len(sizes)
+    head_seconds = [math.inf] * len(sizes)
+    for repeat in range(repeats + 1):  # repeat 0 warms up allocator and kernels, and is not kept
+        for i in range(len(sizes)):
+            body_time, head_time = _seconds(steps[i], base.device), _seconds(heads[i], base.device)
+            if repeat:
+                body_seconds[i] = min(body_seconds[i], body_time)
+                head_seconds[i] = min(head_seconds[i], head_time)
+    # More tokens never cost less: a size that measured slower than a larger one was disturbed.
+    for i in range(len(sizes) - 2, -1, -1):
+        body_seconds[i] = min(body_seconds[i], body_seconds[i + 1])
+        head_seconds[i] = min(head_seconds[i], head_seconds[i + 1])
     return CostCurve(tuple(sizes), tuple(body_seconds), tuple(head_seconds), calibration_key(base))
 
 
