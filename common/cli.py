@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +16,7 @@ import torch
 import typer
 
 from common.base import BaseModel, FedLookaheadError, load_base
+from common.training import DEFAULT_DRAFT_VOCAB
 
 app = typer.Typer(help="FedLookahead: federated lookahead heads for fast lossless decoding.", no_args_is_help=True)
 log = logging.getLogger("fedla")
@@ -28,11 +28,18 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def open_base(base: Optional[str], device: str = "auto", dtype: Optional[torch.dtype] = None) -> BaseModel:
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_HELP = ("auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
+              "weights, and losslessness is judged against the base in that dtype.")
+
+
+def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
     """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
     from common.default_model import resolve_base
 
-    return load_base(resolve_base(base), device=device, dtype=dtype)
+    if dtype not in DTYPES:
+        raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
+    return load_base(resolve_base(base), device=device, dtype=DTYPES[dtype])
 
 
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
@@ -86,7 +93,7 @@ def train_heads_cmd(
     epochs: int = typer.Option(4, min=1, help="Passes over the data (training stops at --max-minutes in any case)."),
     num_heads: int = typer.Option(4, min=1, max=16, help="K lookahead heads."),
     arch: str = typer.Option("recurrent", help="recurrent (each step fuses the token drafted before) | parallel (Medusa)."),
-    draft_vocab: int = typer.Option(8192, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."),
+    draft_vocab: int = typer.Option(DEFAULT_DRAFT_VOCAB, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."),
     chunk_len: int = typer.Option(128, min=8, help="Tokens per training chunk."),
     batch_size: int = typer.Option(16, min=1),
     lr: float = typer.Option(2e-3),
@@ -98,8 +105,6 @@ def train_heads_cmd(
 ) -> None:
     """Centralised head training on cached base features; prints per-head top-1 accuracy on held-out code."""
     from common.data import chunk_files, load_chunks, stdlib_files, text_files
-    from common.draft_vocab import build_draft_vocab, coverage
-    from common.features import base_features, fast_feature_dtype
     from common.heads import ARCHITECTURES
     from common.training import fit_heads
 
@@ -120,22 +125,10 @@ def train_heads_cmd(
     if max_chunks:
         chunks = chunks[torch.randperm(len(chunks), generator=generator)[:max_chunks]]
     heldout = heldout[torch.randperm(len(heldout), generator=generator)[:eval_chunks]]
-    started = time.perf_counter()
-    features = base_features(model, chunks, progress=True)
-    heldout_features = base_features(model, heldout, progress=True)
-    feature_seconds = time.perf_counter() - started
-    vocab = build_draft_vocab(model, features, draft_vocab) if draft_vocab else []
-    heads, report = fit_heads(model, features, heldout_features, num_heads, arch, vocab, epochs=epochs, lr=lr,
+    heads, report = fit_heads(model, chunks, heldout, num_heads, arch, draft_vocab, epochs=epochs, lr=lr,
                               batch_size=batch_size, max_seconds=max_minutes * 60 or float("inf"))
     heads.save(out)
-    report.update({
-        "base": str(model.path),
-        "chunk_len": chunk_len,
-        "feature_dtype": str(fast_feature_dtype(model.device)).removeprefix("torch."),
-        "feature_seconds": round(feature_seconds, 1),
-        "draft_vocab_coverage_heldout": round(coverage(vocab, heldout_features), 4),
-        "heads": str(out),
-    })
+    report["heads"] = str(out)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
 
@@ -185,6 +178,7 @@ def generate_cmd(
     no_guard: bool = typer.Option(False, "--no-guard", help="Switch off the repetition (degeneration) guard."),
     seed: Optional[int] = typer.Option(None),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Generate text with AMS-LD (or a baseline mode); prints the text, then tokens/s and tau."""
     import warnings
@@ -202,7 +196,7 @@ def generate_cmd(
     if not prompt:
         fail("empty prompt")
     try:
-        model = open_base(base, device)
+        model = open_base(base, device, dtype)
         ids = prompt_ids(model, prompt, chat)
         draft_heads = _decoding_heads(heads, model, mode)
         with warnings.catch_warnings(record=True) as caught:
@@ -249,7 +243,7 @@ def bench_decode_cmd(
     if json_out is not None:
         check_output_path(json_out, "file")
     try:
-        model = open_base(base, device)
+        model = open_base(base, device, dtype)
         curve = cost_curve(model, remeasure=calibrate)
         typer.echo("verify cost c(n)/c(1) on this device: "
                    + ", ".join(f"{n}: {c:.2f}" for n, c in curve.relative().items())
