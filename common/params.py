@@ -6,14 +6,14 @@ Both sides use this module, so the wire format has one definition:
   order, in a Flower ArrayRecord;
 * a ConfigRecord naming the base model fingerprint, the head version and the head geometry, so a
   client whose base differs refuses with a clear error instead of training nonsense;
-* `validate_update` / `validate_masked` / `validate_metrics`: the checks the server applies to every
-  reply before it can touch the aggregate (shapes, NaN/Inf, value range), returning a one-line
-  reason instead of raising, so one bad client never stops a round.
+* `validate_update` / `validate_masked`: the checks the server applies to every update before it
+  can touch the aggregate (shapes, NaN/Inf, value range), returning a one-line reason instead of
+  raising, so one bad client never stops a round. The metrics and weights of a reply are checked
+  by `common.protocol` (`TrainReply` / `EvalReply`), which also defines every record key.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Any, Mapping
 
@@ -23,6 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from common.base import BaseModel, FedLookaheadError
 from common.heads import DraftHeads, HeadsConfig
+from common.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, ReplyError, TrainReply  # noqa: F401 - HEADS_*: re-exported
 
 # ConfigRecord keys (kebab-case like Flower's own run-config keys)
 FINGERPRINT = "base-fingerprint"
@@ -31,9 +32,9 @@ NUM_HEADS = "num-heads"
 HIDDEN = "hidden-size"
 VOCAB = "vocab-size"
 NAMES = "param-names"
+ARCH = "heads-arch"
+DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
 
-HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages
-HEADS_CONFIG_RECORD = "heads-config"  # ConfigRecord name in native (evaluate) messages
 
 
 class BaseMismatchError(FedLookaheadError):
@@ -73,6 +74,8 @@ def heads_config_dict(heads: DraftHeads) -> dict[str, Any]:
         HIDDEN: int(cfg.hidden_size),
         VOCAB: int(cfg.vocab_size),
         NAMES: ",".join(heads.state_dict().keys()),
+        ARCH: cfg.arch,
+        DRAFT_VOCAB: ",".join(map(str, cfg.draft_vocab)),
     }
 
 
@@ -100,8 +103,14 @@ def check_base(config: Mapping[str, Any], base: BaseModel) -> None:
 def heads_from_config(config: Mapping[str, Any], base: BaseModel) -> DraftHeads:
     """Empty heads with the geometry and version the server announced (after `check_base`)."""
     check_base(config, base)
+    vocab = str(config.get(DRAFT_VOCAB, "") or "")
+    try:
+        draft_vocab = [int(t) for t in vocab.split(",")] if vocab else []
+    except ValueError as exc:
+        raise FedLookaheadError("the server's draft vocabulary is not a list of token ids") from exc
     heads = DraftHeads(
-        HeadsConfig(int(config[NUM_HEADS]), base.hidden_size, base.vocab_size, base.fingerprint, int(config[VERSION])),
+        HeadsConfig(int(config[NUM_HEADS]), base.hidden_size, base.vocab_size, base.fingerprint, int(config[VERSION]),
+                    arch=str(config.get(ARCH, "recurrent")), draft_vocab=draft_vocab),
         base,
     )
     names = str(config.get(NAMES, ""))
@@ -170,18 +179,11 @@ def validate_masked(arrays: list[np.ndarray], shapes: Shapes, mod_range: int) ->
     return None
 
 
-def validate_metrics(metrics: Mapping[str, Any]) -> str | None:
-    """Client-reported numbers must be finite, and epsilon / accuracies / counts in range."""
-    for key, value in metrics.items():
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
-                if key == "epsilon" and v == math.inf:
-                    continue  # no DP: unbounded epsilon is honest
-                return f"non-finite metric {key}={v}"
-    for key, value in metrics.items():
-        if key.startswith("acc-") and isinstance(value, (int, float)) and not 0 <= value <= 1:
-            return f"out-of-range metric {key}={value}"
-        if key in ("epsilon", "loss", "num-train-chunks") and isinstance(value, (int, float)) and value < 0:
-            return f"out-of-range metric {key}={value}"
+def validate_metrics(metrics: Mapping[str, Any], num_heads: int | None = None) -> str | None:
+    """None if train metrics are well-formed (common.protocol.TrainReply), else the one-line reason."""
+    skipped = metrics.get("skipped", 0)
+    try:  # the weight is checked with the reply (TrainReply.from_content); here only the metrics
+        TrainReply.from_metrics(0 if skipped else 1, metrics, num_heads)
+    except ReplyError as exc:
+        return str(exc)
     return None

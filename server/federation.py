@@ -8,12 +8,27 @@ secure aggregation. So each round runs Flower's own `SecAggPlusWorkflow` (or, wi
 a client evaluation round pushing the new heads, checkpoints and the run store possible.
 
 Guarding replies: `GuardedGrid` sits between the workflows and the real Grid. Every train reply is
-checked before a workflow can use it (common.params): under SecAgg+ the masked vector's count,
-shapes, integer type and modulus range, plus the plaintext metrics; in plain FedAvg the weights'
-shapes, NaN/Inf and the range. A bad reply is turned into an error reply and counted as rejected
-with its reason; SecAgg+ then treats that client as dropped (its masks are removed with the other
-clients' key shares), so the round goes on. The aggregate itself is checked again before it becomes
-the global heads.
+checked once, before a workflow can use it: its weight and metrics by `common.protocol.TrainReply`
+(types, finiteness, ranges), its update by `common.params` (under SecAgg+ the masked vector's count,
+shapes, integer type and modulus range; in plain FedAvg the weights' shapes, NaN/Inf and the range),
+and each SecAgg+ key-exchange reply for the records its stage needs. A bad reply is turned into an
+error reply and counted as rejected with its reason; SecAgg+ then treats that client as dropped (its
+masks are removed with the other clients' key shares), so the round goes on. Evaluation replies are
+checked by `common.protocol.EvalReply` the same way. The aggregate itself is checked again before it
+becomes the global heads.
+
+Weights: no client weighs more than `weight_cap` (the most train chunks an honest client can claim:
+max-chunks-per-client, and never above secagg-max-weight). In plain FedAvg the server applies the cap
+to the weight it averages with, so a client claiming 10**12 examples counts as one full client.
+
+What SecAgg+ cannot check: each client multiplies its update by its own weight factor and sends the
+factor inside the masked vector, so the server only ever sees the sum of the factors. The plaintext
+`num_examples` a client reports is checked and capped, but it is only what the client *says*: a
+malicious client can mask a factor other than its claim (up to the modulus), and so weigh more in the
+secure mean than any cap allows; nor can the server see NaN, Inf or out-of-range values inside a masked
+update before unmasking. What is checked is the masked vector's structure, the plaintext metrics, and
+the unmasked aggregate (finite and within the clipping range) before it becomes the global heads: a
+round whose aggregate fails that check keeps the old heads and says so (`aggregate_note`).
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common import (
-    EvaluateIns,
+    Code,
     EvaluateRes,
     FitIns,
     FitRes,
@@ -46,7 +61,7 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey, Stage as SecAggStage
 from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.app_utils import start_update_client_manager_thread
@@ -61,30 +76,36 @@ from flwr.serverapp.grid import Grid
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.default_model import ensure_default_base
+from common.features import base_features
 from common.fedconfig import FedConfig, secagg_shares_and_threshold
 from common.fedeval import decode_tau
 from common.heads import WEIGHTS_FILE, DraftHeads
 from common.params import (
-    HEADS_CONFIG_RECORD,
-    HEADS_RECORD,
     expected_shapes,
     heads_config_dict,
     heads_records,
     heads_to_ndarrays,
     load_ndarrays,
     validate_masked,
-    validate_metrics,
     validate_update,
+)
+from common.protocol import (
+    FAIL_KEY,
+    FITRES_PARAMETERS,
+    HEADS_CONFIG_RECORD,
+    HEADS_RECORD,
+    MEASURE_TAU,
+    ROUND_KEY,
+    RUN_KEY,
+    EvalReply,
+    ReplyError,
+    TrainReply,
 )
 from common.training import evaluate_heads
 
 log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
 REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own codes are small integers)
-ROUND_KEY = "server-round"
-RUN_KEY = "fedla-run-id"
-FAIL_KEY = "simulate-failure"
-MEASURE_TAU = "measure-tau"  # evaluate config: decode prompts for tau (the final push skips it on most nodes)
 
 
 # ------------------------------------------------------------------------------------------ round log
@@ -97,8 +118,10 @@ class RoundLog:
     sampled: list[int] = field(default_factory=list)
     failures: dict[int, str] = field(default_factory=dict)  # node -> error reason (dropouts, refusals)
     rejected: list[dict] = field(default_factory=list)  # {"node": id, "reason": str}
-    client_metrics: dict[int, dict] = field(default_factory=dict)  # node -> plaintext FitRes metrics
-    weights: dict[int, int] = field(default_factory=dict)
+    checked: dict[int, TrainReply] = field(default_factory=dict)  # node -> its reply, as the guard parsed it
+    client_metrics: dict[int, TrainReply] = field(default_factory=dict)  # replies that reached aggregation
+    weights: dict[int, int] = field(default_factory=dict)  # node -> the weight the aggregate used (capped)
+    capped: dict[int, int] = field(default_factory=dict)  # node -> the larger weight it claimed
     bytes_down: list[int] = field(default_factory=list)
     bytes_up: list[int] = field(default_factory=list)
     aggregated: bool = False
@@ -110,10 +133,25 @@ def _array_record_bytes(record) -> int:
     return sum(len(array.data) for array in record.values())
 
 
-class GuardedGrid(Grid):
-    """A Grid that validates train replies before the workflow sees them, and counts bytes.
+def _stage(msg: Message) -> str | None:
+    """The SecAgg+ stage a train message asks for, None for a plain FedAvg train message."""
+    cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS) if msg.has_content() else None
+    stage = cfg.get(SecAggKey.STAGE) if cfg is not None else None
+    return str(stage) if stage is not None else None
 
-    Everything else is delegated to the wrapped grid.
+
+def _list_of(value: Any, kind: type, name: str) -> list:
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise ReplyError(f"{name} must be a list of {kind.__name__}")
+    return value
+
+
+class GuardedGrid(Grid):
+    """A Grid that validates every train reply before a workflow sees it, and counts bytes.
+
+    Each reply is checked once, here, against the stage it answers (plain FedAvg, or a SecAgg+ stage),
+    so that nothing a client sends can raise inside Flower's workflow or our strategy. Everything
+    else is delegated to the wrapped grid.
     """
 
     def __init__(self, grid: Grid, config: FedConfig, default_timeout: float | None) -> None:
@@ -121,6 +159,7 @@ class GuardedGrid(Grid):
         self._config = config
         self.default_timeout = default_timeout
         self.shapes: list[tuple[str, tuple[int, ...]]] = []
+        self.num_heads: int | None = None
         self.round_log = RoundLog()
 
     # -- delegation
@@ -151,56 +190,109 @@ class GuardedGrid(Grid):
                 self.round_log.bytes_down.append(_array_record_bytes(msg.content.array_records["fitins.parameters"]))
         wanted = {m.metadata.dst_node_id for m in messages}
         replies = list(self._grid.send_and_receive(messages, timeout=timeout if timeout is not None else self.default_timeout))
+        strangers = [r for r in replies if r.metadata.src_node_id not in wanted]
+        for reply in strangers:
+            log.warning("dropped a reply from node %s, which was not asked", reply.metadata.src_node_id)
+        replies = [r for r in replies if r.metadata.src_node_id in wanted]
         answered = {r.metadata.src_node_id for r in replies}
         is_train = bool(messages) and messages[0].metadata.message_type == MessageType.TRAIN
-        if is_train:
-            for node in wanted - answered:
-                self.round_log.failures.setdefault(node, "no reply before the timeout")
-        return [self._check(r) if is_train else r for r in replies]
+        if not is_train:
+            return replies
+        stage = _stage(messages[0])
+        for node in wanted - answered:
+            self.round_log.failures.setdefault(node, "no reply before the timeout")
+        return [self._check(r, stage) for r in replies]
 
-    def _check(self, reply: Message) -> Message:
+    def _check(self, reply: Message, stage: str | None) -> Message:
         node = reply.metadata.src_node_id
         if reply.has_error():
             self.round_log.failures[node] = _short(reply.error.reason or f"error code {reply.error.code}")
             return reply
-        content = reply.content
-        reason = None
-        secagg_cfg = content.config_records.get(RECORD_KEY_CONFIGS)
-        if secagg_cfg is not None and SecAggKey.MASKED_PARAMETERS in secagg_cfg:
-            payload = list(secagg_cfg[SecAggKey.MASKED_PARAMETERS])
-            self.round_log.bytes_up.append(sum(len(b) for b in payload))
-            try:
-                arrays = [bytes_to_ndarray(b) for b in payload]
-            except Exception as exc:  # noqa: BLE001 - anything undecodable is a malformed reply
-                reason = f"undecodable masked vector ({type(exc).__name__})"
-            else:
-                reason = validate_masked(arrays, self.shapes, _MOD_RANGE)
-            reason = reason or self._check_fitres_metrics(content)
-        elif "fitres.parameters" in content.array_records and not self._config.secagg:
-            self.round_log.bytes_up.append(_array_record_bytes(content.array_records["fitres.parameters"]))
-            try:
-                fitres = compat.recorddict_to_fitres(content, keep_input=True)
-                arrays = parameters_to_ndarrays(fitres.parameters)
-            except Exception as exc:  # noqa: BLE001
-                reason = f"undecodable reply ({type(exc).__name__})"
-            else:
-                if fitres.num_examples < 0:
-                    reason = f"negative weight {fitres.num_examples}"
-                else:
-                    reason = validate_update(arrays, self.shapes, self._config.secagg_clipping_range)
-                reason = reason or self._check_fitres_metrics(content)
-        if reason is None:
+        try:
+            self._validate(node, reply.content, stage)
+        except ReplyError as exc:
+            reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a reply that breaks a check is malformed, never fatal
+            reason = f"malformed reply ({type(exc).__name__}: {_short(str(exc), 120)})"
+        else:
             return reply
         log.warning("rejected the reply of node %s: %s", node, reason)
         self.round_log.rejected.append({"node": node, "reason": reason})
         return Message(metadata=copy.copy(reply.metadata), error=Error(code=REJECTED_CODE, reason=f"rejected: {reason}"))
 
-    @staticmethod
-    def _check_fitres_metrics(content: RecordDict) -> str | None:
-        metrics = content.config_records.get("fitres.metrics")
-        if metrics is None:
-            return "reply has no metrics"
-        return validate_metrics(dict(metrics))
+    def _validate(self, node: int, content: RecordDict, stage: str | None) -> None:
+        """Raise ReplyError unless `content` is a well-formed answer to `stage` (None: plain FedAvg)."""
+        if stage is None:
+            self._validate_fitres(node, content, masked=False)
+            return
+        cfg = content.config_records.get(RECORD_KEY_CONFIGS)
+        if cfg is None:
+            raise ReplyError(f"SecAgg+ {stage} reply has no {RECORD_KEY_CONFIGS} record")
+        if stage == SecAggStage.SETUP:
+            for key in (SecAggKey.PUBLIC_KEY_1, SecAggKey.PUBLIC_KEY_2):
+                if not isinstance(cfg.get(key), bytes):
+                    raise ReplyError(f"SecAgg+ setup reply has no public key {key}")
+        elif stage == SecAggStage.SHARE_KEYS:
+            dsts = _list_of(cfg.get(SecAggKey.DESTINATION_LIST), int, "SecAgg+ destination list")
+            ctxts = _list_of(cfg.get(SecAggKey.CIPHERTEXT_LIST), bytes, "SecAgg+ ciphertext list")
+            if len(dsts) != len(ctxts):
+                raise ReplyError(f"SecAgg+ share-keys reply: {len(dsts)} destinations for {len(ctxts)} ciphertexts")
+        elif stage == SecAggStage.COLLECT_MASKED_VECTORS:
+            self._validate_fitres(node, content, masked=True)
+        elif stage == SecAggStage.UNMASK:
+            nids = _list_of(cfg.get(SecAggKey.NODE_ID_LIST), int, "SecAgg+ node id list")
+            shares = _list_of(cfg.get(SecAggKey.SHARE_LIST), bytes, "SecAgg+ share list")
+            if len(nids) != len(shares):
+                raise ReplyError(f"SecAgg+ unmask reply: {len(nids)} node ids for {len(shares)} shares")
+            unknown = set(nids) - set(self.round_log.sampled)
+            if unknown:
+                raise ReplyError(f"SecAgg+ unmask reply names {len(unknown)} node(s) outside this round")
+
+    def _validate_fitres(self, node: int, content: RecordDict, masked: bool) -> None:
+        """A legacy FitRes reply: its weight and metrics (protocol), its update (plain) or masked vector."""
+        reply = TrainReply.from_content(content, self.num_heads)  # every value, with a one-line reason
+        fitres = compat.recorddict_to_fitres(content, keep_input=True)  # what the workflow will call
+        if fitres.status.code != Code.OK:
+            raise ReplyError(f"client status {fitres.status.code.name}: {_short(fitres.status.message, 120)}")
+        if masked:
+            # The masked weight factor is hidden from the server (see the module docstring); the
+            # plaintext count is not, and an honest client never claims more than secagg-max-weight
+            # (beyond it, its factor would overflow the quantised sum).
+            if reply.num_examples > self._config.secagg_max_weight:
+                raise ReplyError(f"weight {reply.num_examples} above secagg-max-weight {self._config.secagg_max_weight:g}")
+            payload = content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.MASKED_PARAMETERS)
+            if not isinstance(payload, list) or not all(isinstance(b, bytes) for b in payload):
+                raise ReplyError("SecAgg+ reply has no masked vector")
+            self.round_log.bytes_up.append(sum(len(b) for b in payload))
+            try:
+                arrays = [bytes_to_ndarray(b) for b in payload]
+            except Exception as exc:  # noqa: BLE001 - anything undecodable is a malformed reply
+                raise ReplyError(f"undecodable masked vector ({type(exc).__name__})") from None
+            reason = validate_masked(arrays, self.shapes, _MOD_RANGE)
+            if reason:
+                raise ReplyError(reason)
+        else:
+            if self._config.secagg:
+                raise ReplyError("plain update sent to a SecAgg+ round")
+            self.round_log.bytes_up.append(_array_record_bytes(content.array_records[FITRES_PARAMETERS]))
+            try:
+                arrays = parameters_to_ndarrays(fitres.parameters)
+            except Exception as exc:  # noqa: BLE001
+                raise ReplyError(f"undecodable update ({type(exc).__name__})") from None
+            reason = validate_update(arrays, self.shapes, self._config.secagg_clipping_range)
+            if reason:
+                raise ReplyError(reason)
+        self.round_log.checked[node] = reply
+
+
+def weight_cap(config: FedConfig) -> int:
+    """The largest weight the server gives one client: the most train chunks an honest client can have
+    (max-chunks-per-client, 0: unbounded) and never above secagg-max-weight (clients cap their SecAgg+
+    factor there), at least 1 so that a trained reply never weighs 0."""
+    cap = int(config.secagg_max_weight)
+    if config.max_chunks_per_client:
+        cap = min(cap, config.max_chunks_per_client)
+    return max(1, cap)
 
 
 _MOD_RANGE = 4294967296  # SecAggPlusWorkflow's modulus_range (its default; we never change it)
@@ -219,10 +311,12 @@ def _short(reason: str, limit: int = 300) -> str:
 
 
 class HeadsStrategy(Strategy):
-    """FedAvg of head weights, weighted by (capped) train chunks; zero-weight (budget-skipped) replies add nothing.
+    """FedAvg of head weights, weighted by train chunks capped at `weight_cap`; budget-skipped replies
+    (weight 0) add nothing, and a round where every client skipped keeps the heads and says so.
 
-    Under SecAgg+ the workflow has already computed the weighted mean: every result carries it, and
-    this strategy only records the plaintext metrics. In plain mode it computes the mean itself.
+    It reads only what the guard checked (`RoundLog.checked`), never the raw FitRes metrics. Under
+    SecAgg+ the workflow has already computed the weighted mean: every result carries it, and this
+    strategy only records the plaintext metrics. In plain mode it computes the mean itself.
     """
 
     def __init__(self, config: FedConfig, grid: GuardedGrid, fit_config: dict[str, Any]) -> None:
@@ -263,20 +357,33 @@ class HeadsStrategy(Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures):
         log_ = self.grid.round_log
+        cap = weight_cap(self.config)
+        weighted: list[tuple[FitRes, int]] = []
         for proxy, res in results:
-            log_.client_metrics[proxy.node_id] = dict(res.metrics)
-            log_.weights[proxy.node_id] = int(res.num_examples)
-        total = sum(res.num_examples for _, res in results)
-        if not results:
+            reply = log_.checked.get(proxy.node_id)
+            if reply is None:  # cannot happen: the guard turned every unchecked reply into an error
+                log.error("round %s: node %s reached aggregation unchecked; ignored", server_round, proxy.node_id)
+                continue
+            weight = min(reply.num_examples, cap)
+            if weight < reply.num_examples:
+                log_.capped[proxy.node_id] = reply.num_examples
+                log.warning("round %s: node %s claims weight %d, capped at %d", server_round,
+                            proxy.node_id, reply.num_examples, cap)
+            log_.client_metrics[proxy.node_id] = reply
+            log_.weights[proxy.node_id] = weight
+            weighted.append((res, weight))
+        total = sum(w for _, w in weighted)
+        if not weighted:
             log_.aggregate_note = "no client result to aggregate"
             return None, {}
-        if total <= 0:
-            log_.aggregate_note = "every client skipped training (privacy budget): heads unchanged"
+        if total <= 0:  # weight 0 only with skipped=1 (the protocol rejects anything else)
+            log_.aggregate_note = (f"all {len(weighted)} client(s) skipped training (privacy budget): "
+                                   "heads unchanged")
             return None, {}
         if self.config.secagg:
             arrays = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
         else:
-            arrays = _weighted_mean(results, total)
+            arrays = _weighted_mean(weighted, total)
         reason = validate_update([np.asarray(a, dtype=np.float32) for a in arrays], self.grid.shapes,
                                  self.config.secagg_clipping_range * (1 + 1e-6))
         if reason:
@@ -296,8 +403,9 @@ class HeadsStrategy(Strategy):
         return None  # the loop evaluates centrally itself, with the decoder
 
 
-def _weighted_mean(results: list[tuple[ClientProxy, FitRes]], total: int) -> list[np.ndarray]:
-    per_client = [(parameters_to_ndarrays(res.parameters), res.num_examples) for _, res in results if res.num_examples]
+def _weighted_mean(weighted: list[tuple[FitRes, int]], total: int) -> list[np.ndarray]:
+    """The mean of the updates, each weighted by its (capped) weight over `total`."""
+    per_client = [(parameters_to_ndarrays(res.parameters), weight) for res, weight in weighted if weight]
     out = []
     for index in range(len(per_client[0][0])):
         acc = np.zeros(per_client[0][0][index].shape, dtype=np.float64)
@@ -403,7 +511,7 @@ class ServerEval:
     def run(self, heads: DraftHeads, base: BaseModel, config: FedConfig, heads_only: bool = False) -> dict[str, Any]:
         """Loss, per-head accuracy and AMS-LD tau; with `heads_only` also tau without the n-gram drafter
         (what the heads alone contribute: costs another decoding pass, so only done on the last round)."""
-        summary = evaluate_heads(heads, base, self.chunks, batch_size=config.batch_size) if len(self.chunks) else \
+        summary = evaluate_heads(heads, base_features(base, self.chunks), batch_size=config.batch_size) if len(self.chunks) else \
             {"loss": 0.0, "head_accuracy": [0.0] * heads.num_heads}
         tau = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens)
         out = {"loss": float(summary["loss"]), "head_accuracy": [float(a) for a in summary["head_accuracy"]], "tau": tau}
@@ -450,25 +558,23 @@ def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_r
     examples = 0
     taus: list[float] = []
     rejected, failed = [], 0
+    cap = weight_cap(config)
     for reply in replies:
         if reply.has_error():
             failed += 1
             continue
-        metrics = dict(reply.content.metric_records.get("metrics", {}))
-        reason = validate_metrics({f"acc-{i}": a for i, a in enumerate(metrics.get("head-accuracy", []))} | metrics)
-        accuracy = list(metrics.get("head-accuracy", []))
-        if reason is None and accuracy and len(accuracy) != heads.num_heads:
-            reason = f"{len(accuracy)} head accuracies for {heads.num_heads} heads"
-        if reason:
-            rejected.append(reason)
-            log.warning("rejected evaluation reply of node %s: %s", reply.metadata.src_node_id, reason)
+        try:
+            result = EvalReply.from_content(reply.content, heads.num_heads)
+        except ReplyError as exc:
+            rejected.append(str(exc))
+            log.warning("rejected evaluation reply of node %s: %s", reply.metadata.src_node_id, exc)
             continue
-        n = int(metrics.get("num-examples", 0))
-        if n and accuracy:
-            accuracy_sum += np.asarray(accuracy) * n
-            examples += n
-        if metrics.get("tau") is not None:
-            taus.append(float(metrics["tau"]))
+        weight = min(result.num_examples, cap)  # the same cap as training weights
+        if weight and result.head_accuracy:
+            accuracy_sum += np.asarray(result.head_accuracy) * weight
+            examples += weight
+        if result.tau is not None:
+            taus.append(result.tau)
     return {
         "evaluated": len(replies) - failed - len(rejected),
         "pushed_to": len(targets),
@@ -530,6 +636,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
             "resumed_from_round": start_round - 1}), indent=2))
         server_eval = ServerEval.build(base, config)
         guarded.shapes = expected_shapes(heads)
+        guarded.num_heads = heads.num_heads
         client_manager = SimpleClientManager()
         thread, stop, ready = start_update_client_manager_thread(guarded, client_manager)
         ready.wait()
@@ -621,18 +728,18 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
 def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, server_metrics: dict,
                   client_eval: dict, client_eps: dict[int, float], heads: DraftHeads, fit_seconds: float,
                   server_eval_seconds: float, client_eval_seconds: float, wall_seconds: float) -> dict[str, Any]:
-    metrics_by_node = round_log.client_metrics
-    trained = {n: m for n, m in metrics_by_node.items() if not m.get("skipped") and "loss" in m}
-    skipped = {n: str(m.get("skip-reason", "")) for n, m in metrics_by_node.items() if m.get("skipped")}
-    for node, m in metrics_by_node.items():
-        if "epsilon" in m:
-            client_eps[node] = float(m["epsilon"])
-    chunks = {n: float(m.get("num-train-chunks", 1)) for n, m in trained.items()}
+    replies = round_log.client_metrics  # node -> TrainReply, checked by the guard
+    trained = {n: r for n, r in replies.items() if r.trained}
+    skipped = {n: r.skip_reason for n, r in replies.items() if r.skipped}
+    for node, reply in replies.items():
+        if reply.epsilon is not None:
+            client_eps[node] = reply.epsilon
+    chunks = {n: float(round_log.weights.get(n) or 1) for n in trained}
     total = sum(chunks.values())
     if trained and total > 0:
-        train_loss = sum(float(m["loss"]) * chunks[n] for n, m in trained.items()) / total
-        train_acc = [sum(float(m.get(f"acc-{k}", 0.0)) * chunks[n] for n, m in trained.items()) / total
-                     for k in range(1, heads.num_heads + 1)]
+        train_loss = sum(r.loss * chunks[n] for n, r in trained.items()) / total
+        train_acc = [sum((r.head_accuracy[k] if k < len(r.head_accuracy) else 0.0) * chunks[n]
+                         for n, r in trained.items()) / total for k in range(heads.num_heads)]
         loss_source = "clients"
     else:
         train_loss, train_acc, loss_source = server_metrics["loss"], None, "server-eval (no client trained)"
@@ -644,7 +751,7 @@ def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, ser
         eps_mean = sum(eps_values) / len(eps_values) if eps_values else 0.0
     sampled = len(round_log.sampled)
     rejected_nodes = {r["node"] for r in round_log.rejected}
-    succeeded = len(metrics_by_node)  # replies that reached aggregation (none when SecAgg+ aborted)
+    succeeded = len(replies)  # replies that reached aggregation (none when SecAgg+ aborted)
     dropped = max(0, sampled - succeeded - len(rejected_nodes))
     down = round_log.bytes_down
     up = round_log.bytes_up
@@ -670,20 +777,21 @@ def _round_record(config: FedConfig, server_round: int, round_log: RoundLog, ser
                                                           if n not in rejected_nodes},
             "induced_failures": round_log.induced_failures, "skipped_budget": skipped,
             "weights": {str(n): w for n, w in round_log.weights.items()},
+            "capped_weights": {str(n): w for n, w in round_log.capped.items()},
         },
         "client_eval": client_eval,
         "privacy": {
             "epsilon_max": eps_max, "epsilon_mean": eps_mean, "delta": config.dp_delta if config.dp else 0.0,
             "target_epsilon": config.dp_target_epsilon if config.dp else None,
-            "epsilon_this_round": {str(n): float(m["epsilon"]) for n, m in metrics_by_node.items() if "epsilon" in m},
-            "noise_multiplier": sorted({float(m.get("noise-multiplier", 0.0)) for m in metrics_by_node.values()}),
-            "q": sorted({float(m.get("q", 0.0)) for m in metrics_by_node.values()}),
-            "no_amplification_clients": sum(int(m.get("no-amplification", 0)) for m in metrics_by_node.values()),
+            "epsilon_this_round": {str(n): r.epsilon for n, r in replies.items() if r.epsilon is not None},
+            "noise_multiplier": sorted({r.noise_multiplier for r in replies.values()}),
+            "q": sorted({r.q for r in replies.values()}),
+            "no_amplification_clients": sum(int(r.no_amplification) for r in replies.values()),
         },
         "bytes_per_client": bytes_down + bytes_up,
         "bytes": {"down_per_client": bytes_down, "up_per_client": bytes_up,
                   "eval_push_per_client": client_eval.get("push_bytes_per_client", 0)},
         "wall_seconds": wall_seconds,
         "seconds": {"fit": fit_seconds, "server_eval": server_eval_seconds, "client_eval": client_eval_seconds,
-                    "client_train_sum": sum(float(m.get("train-seconds", 0.0)) for m in metrics_by_node.values())},
+                    "client_train_sum": sum(r.train_seconds for r in replies.values())},
     }

@@ -31,8 +31,10 @@ def write_checkpoint(directory: Path, seed: int) -> tuple[Path, int, str]:
 
 
 def fill_realistic_run(store: RunStore, run_id: str, *, rounds: int = 20, num_heads: int = 4,
-                       checkpoint_root: Path | None = None, checkpoint_every: int = 5, finish: bool = True,
+                       run_dir: Path | None = None, checkpoint_every: int = 5, finish: bool = True,
                        seed: int = 0) -> None:
+    """Record `rounds` rounds; with `run_dir`, also checkpoints where the server writes them:
+    ``<run_dir>/<run_id>/checkpoints/round-<r>`` (server/federation.py)."""
     rng = random.Random(seed)
     config = {"num_rounds": rounds, "clients_per_round": 8, "num_clients": 32, "num_heads": num_heads,
               "local_epochs": 1, "lr": 0.001, "noise_multiplier": 0.9, "max_grad_norm": 1.0, "delta": 1e-5,
@@ -56,8 +58,8 @@ def fill_realistic_run(store: RunStore, run_id: str, *, rounds: int = 20, num_he
             participation={"sampled": 8, "succeeded": succeeded, "dropped": dropped, "rejected": rejected},
             privacy={"epsilon_max": eps * 1.08, "epsilon_mean": eps, "delta": 1e-5},
             wall_seconds=round(rng.uniform(38, 52), 1), bytes_per_client=2_164_736)
-        if checkpoint_root is not None and (r % checkpoint_every == 0 or r == rounds):
-            directory, size, sha = write_checkpoint(checkpoint_root / f"round-{r:04d}", seed=r)
+        if run_dir is not None and (r % checkpoint_every == 0 or r == rounds):
+            directory, size, sha = write_checkpoint(run_dir / run_id / "checkpoints" / f"round-{r}", seed=r)
             store.record_checkpoint(run_id, r, head_version=r, path=str(directory), size_bytes=size, sha256=sha)
     if finish:
         store.finish_run(run_id, "finished")

@@ -33,7 +33,7 @@ def store(tmp_path) -> RunStore:
 
 @pytest.fixture
 def filled(store, tmp_path) -> RunStore:
-    fill_realistic_run(store, "run-20", rounds=20, checkpoint_root=tmp_path / "ckpt", checkpoint_every=5)
+    fill_realistic_run(store, "run-20", rounds=20, run_dir=tmp_path, checkpoint_every=5)  # next to fedla.db
     store.start_run("run-new", {"num_rounds": 5}, SECAGG)  # running, nothing recorded yet
     return store
 
@@ -132,7 +132,7 @@ def test_checkpoint_download(client, filled, tmp_path):
     assert client.get("/runs/run-20/checkpoint?round=6").status_code == 404  # not a recorded checkpoint
 
     # A checkpoint recorded as a single file is streamed as is.
-    single = tmp_path / "single" / "heads.safetensors"
+    single = tmp_path / "run-20" / "checkpoints" / "single" / "heads.safetensors"
     write_checkpoint(single.parent, seed=1)
     filled.record_checkpoint("run-20", 21, head_version=21, path=str(single), size_bytes=single.stat().st_size,
                              sha256=hashlib.sha256(single.read_bytes()).hexdigest())
@@ -142,14 +142,14 @@ def test_checkpoint_download(client, filled, tmp_path):
     # A recorded file that is a symlink out of its directory is refused; a vanished one is a 404.
     secret = tmp_path / "secret.txt"
     secret.write_text("not a checkpoint")
-    link_dir = tmp_path / "evil"
+    link_dir = tmp_path / "run-20" / "checkpoints" / "evil"
     link_dir.mkdir()
     os.symlink(secret, link_dir / "heads.safetensors")
     filled.record_checkpoint("run-20", 22, head_version=22, path=str(link_dir / "heads.safetensors"),
                              size_bytes=1, sha256="0" * 64)
     response = client.get("/runs/run-20/checkpoint")
     assert response.status_code == 404 and "not a checkpoint" not in response.text
-    filled.record_checkpoint("run-20", 23, head_version=23, path=str(tmp_path / "gone"), size_bytes=1,
+    filled.record_checkpoint("run-20", 23, head_version=23, path=str(tmp_path / "run-20" / "gone"), size_bytes=1,
                              sha256="0" * 64)
     assert "no longer on disk" in client.get("/runs/run-20/checkpoint").text
 
@@ -157,6 +157,33 @@ def test_checkpoint_download(client, filled, tmp_path):
     os.symlink(secret, Path(latest["path"]) / "leak.txt")
     names = zipfile.ZipFile(io.BytesIO(client.get("/runs/run-20/checkpoint?round=20").content)).namelist()
     assert "leak.txt" not in names and "heads.safetensors" in names
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "{tmp}/fedla.db", "{tmp}/run-new/checkpoints/round-1",
+                                  "{tmp}/run-20", "{tmp}/run-20/../run-new/x", "{tmp}/run-20x/checkpoints/round-1",
+                                  "run-20/checkpoints/round-20"])
+def test_checkpoint_outside_the_run_folder_is_refused(client, filled, tmp_path, path, monkeypatch):
+    """A database row naming any file outside <run-dir>/<run-id>/ is never served, whatever it names."""
+    monkeypatch.chdir("/")  # a relative row resolves against the dashboard's working directory, not the run folder
+    target = Path(path.format(tmp=tmp_path))
+    if target.is_absolute() and not target.exists():
+        write_checkpoint(target, seed=3)  # a real checkpoint, only in the wrong place
+    filled.record_checkpoint("run-20", 30, head_version=30, path=str(target), size_bytes=1, sha256="0" * 64)
+    response = client.get("/runs/run-20/checkpoint")
+    assert response.status_code == 404 and "outside the run's folder" in html.unescape(response.text)
+    assert "root:" not in response.text and response.headers["content-type"].startswith("text/html")
+    assert client.get("/runs/run-20/checkpoint?round=20").status_code == 200  # the real ones still are
+
+
+def test_checkpoint_of_a_store_kept_elsewhere_needs_the_run_dir(tmp_path):
+    """With the store outside the run folder, checkpoints are served only from the run_dir the operator gives."""
+    with RunStore(f"sqlite:///{tmp_path / 'db' / 'fedla.db'}") as writer:
+        fill_realistic_run(writer, "away", rounds=5, run_dir=tmp_path / "runs")
+    refused = TestClient(create_app(str(tmp_path / "db" / "fedla.db")))
+    assert refused.get("/runs/away/checkpoint").status_code == 404
+    served = TestClient(create_app(str(tmp_path / "db" / "fedla.db"), run_dir=tmp_path / "runs"))
+    response = served.get("/runs/away/checkpoint")
+    assert response.status_code == 200 and response.headers["x-checkpoint-round"] == "5"
 
 
 def test_token_guards_every_request(filled):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
@@ -35,8 +36,9 @@ def run_config(tiny_base_dir, tmp_path):
     }
 
 
-def recording_app(sent: dict, corrupt=None, corrupt_masked=None) -> ClientApp:
-    """The real train handler, recording each client's plain update before SecAgg+ masks it."""
+def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None) -> ClientApp:
+    """The real train and evaluate handlers, recording each client's plain update before SecAgg+ masks
+    it; `corrupt*` change a client's train reply, masked vector or evaluation metrics on the way out."""
 
     def masked_corrupter(msg, context, call_next):
         reply = call_next(msg, context)
@@ -57,7 +59,13 @@ def recording_app(sent: dict, corrupt=None, corrupt_masked=None) -> ClientApp:
             fitres = corrupt(context.node_id, fitres)
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
-    app.evaluate()(client_module.evaluate)
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        reply = client_module.evaluate(msg, context)
+        if corrupt_eval:
+            corrupt_eval(context.node_id, reply.content.metric_records["metrics"])
+        return reply
+
     return app
 
 
@@ -159,6 +167,71 @@ def test_plain_fedavg_rejects_malformed_replies_and_keeps_going(run_config, tiny
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)  # only the honest update made it in
     stored = summary["rounds"][0]["participation"]["rejected"]
     assert sorted(r["reason"] for r in stored) == reasons  # logged in the run store too
+
+
+def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_config, tiny_base):
+    """Issue 11: NaN weight, loss="abc", epsilon="x" and bad evaluation replies each cost only their client."""
+    sent: dict = {}
+
+    def corrupt(node_id: int, fitres: FitRes) -> FitRes:
+        weight, metrics = fitres.num_examples, dict(fitres.metrics)
+        if node_id == 1000:
+            weight = math.nan
+        elif node_id == 1001:
+            metrics["loss"] = "abc"
+        elif node_id == 1002:
+            metrics["epsilon"] = "x"
+        elif node_id == 1003:
+            weight = 10**12
+        return FitRes(fitres.status, fitres.parameters, weight, metrics)
+
+    def corrupt_eval(node_id: int, metrics) -> None:
+        if node_id == 1000:
+            metrics["head-accuracy"] = 0.5
+        elif node_id == 1001:
+            metrics["tau"] = [1.0, 2.0]
+        elif node_id == 1002:
+            metrics["num-examples"] = [3]
+
+    run_dir, summary, _ = run(dict(run_config, secagg=False), recording_app(sent, corrupt, corrupt_eval=corrupt_eval),
+                              nodes=5)
+    assert summary["run"]["status"] == "finished"
+    record = round_record(run_dir)
+    reasons = ["non-finite num_examples=nan", "loss must be a number, got str 'abc'",
+               "epsilon must be a number, got str 'x'"]
+    assert sorted((r["node"], r["reason"]) for r in record["participation"]["rejected"]) == list(zip([1000, 1001, 1002], reasons))
+    assert sorted(r["reason"] for r in summary["rounds"][0]["participation"]["rejected"]) == sorted(reasons)
+    assert record["aggregated"] and record["participation"]["succeeded"] == 2
+    cap = 12  # max-chunks-per-client: the most an honest client can claim
+    assert record["participation"]["capped_weights"] == {"1003": 10**12}
+    assert record["participation"]["weights"] == {"1003": cap, "1004": sent[1004][1]}
+    expected = weighted_mean([(sent[1003][0], cap), sent[1004]])
+    for got, want in zip(global_heads(run_dir, tiny_base), expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    client_eval = record["client_eval"]
+    assert client_eval["evaluated"] == 2 and sorted(client_eval["rejected"]) == [
+        "head-accuracy must be a list of numbers, got float 0.5", "num-examples must be an integer, got list [3]",
+        "tau must be a number, got list [1.0, 2.0]"]
+
+
+def test_secagg_rejects_a_plaintext_weight_above_max_weight(run_config, tiny_base):
+    """Its masked factor would overflow: the client is dropped, the others' secure mean stands."""
+    sent: dict = {}
+
+    def corrupt(node_id: int, fitres: FitRes) -> FitRes:
+        weight = 10**12 if node_id == 1000 else fitres.num_examples
+        return FitRes(fitres.status, fitres.parameters, weight, fitres.metrics)
+
+    run_dir, _, _ = run(run_config, recording_app(sent, corrupt))
+    record = round_record(run_dir)
+    assert record["participation"]["rejected"] == [{"node": 1000, "reason": "weight 1000000000000 above "
+                                                                             "secagg-max-weight 1000"}]
+    assert record["aggregated"], record["aggregate_note"]
+    honest = [v for node, v in sent.items() if node != 1000]
+    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
+    expected = weighted_mean(honest)
+    secure = global_heads(run_dir, tiny_base)
+    assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
 
 
 def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_config, tiny_base):

@@ -4,7 +4,13 @@
 * ``GET /`` lists runs; ``GET /runs/{id}`` plots loss, per-head accuracy, tau, epsilon and participation per
   round, shows the SecAgg+ settings and the latest checkpoint, and polls the API while the run is going.
 * ``GET /runs/{id}/checkpoint``: the run's latest (or ``?round=N``) recorded checkpoint: the file itself,
-  or a zip of the checkpoint directory.
+  or a zip of the checkpoint directory, served only from under ``<run-dir>/<run-id>/`` (run-dir: the
+  store's own folder, as in the default ``runs/fedla.db`` layout, or the ``run_dir`` the operator gives);
+  the database is not trusted to name any other file.
+
+The store is opened read-only (``RunStore(read_only=True)``): a missing, empty or foreign file is refused
+at start with a one-line error and nothing is created; a store deleted or replaced while serving gives
+503 on every request until the dashboard is restarted.
 
 Nothing changes state: every route is GET, any other method is answered 405. Bound to loopback by
 default; any other address needs a token, which is then checked on every request (``Authorization:
@@ -35,9 +41,10 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel, Field
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.store import RunStore
+from server.store import RunStore, StoreUnavailable, one_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 STATIC_DIR = PACKAGE_DIR / "static"
@@ -146,9 +153,16 @@ def _wants_html(request: Request) -> bool:
     return not request.url.path.startswith(("/api/", "/openapi.json", "/static/"))
 
 
-def create_app(store: RunStore | str | None = None, *, token: str | None = None) -> FastAPI:
-    """The dashboard app over ``store`` (a RunStore, a SQLAlchemy URL, or None for the default DB)."""
-    store = store if isinstance(store, RunStore) else RunStore(store)
+def create_app(store: RunStore | str | None = None, *, token: str | None = None,
+               run_dir: str | Path | None = None) -> FastAPI:
+    """The dashboard app over ``store`` (a RunStore, or a SQLAlchemy URL / SQLite path, or None for the
+    default DB, which is then opened read-only and must exist: StoreUnavailable otherwise).
+
+    ``run_dir``: a folder holding ``<run-id>/`` run folders, besides the store's own folder, from which
+    checkpoints may be served (for a store kept elsewhere than its runs)."""
+    store = store if isinstance(store, RunStore) else RunStore(store, read_only=True)
+    roots = ([store.sqlite_path.parent] if store.sqlite_path is not None else []) + ([Path(run_dir)] if run_dir else [])
+    run_roots = [Path(os.path.realpath(root)) for root in roots]
     token = token or None
     app = FastAPI(title="FedLookahead dashboard", version="1", docs_url="/docs", redoc_url=None,
                   description="Read-only view of federated runs recorded in the run store. " + PRIVACY_NOTE)
@@ -182,6 +196,11 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None)
                                         headers={"WWW-Authenticate": "Bearer"})
                 return JSONResponse({"detail": "missing or invalid token"}, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
+        if not request.url.path.startswith("/static/"):
+            try:
+                store.check_available()
+            except StoreUnavailable as exc:
+                return unavailable(request, str(exc))
         response = await call_next(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Referrer-Policy", "no-referrer")  # never leak ?token= to other sites
@@ -199,6 +218,16 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None)
         if _wants_html(request) and exc.status_code in (400, 404):
             return page(request, "error.html", exc.status_code, title=f"{exc.status_code}", message=str(exc.detail))
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    def unavailable(request: Request, message: str) -> Response:
+        log.error("run store unavailable: %s", message)
+        if _wants_html(request):
+            return page(request, "error.html", 503, title="503", message=message)
+        return JSONResponse({"detail": message}, status_code=503, headers={"Cache-Control": "no-store"})
+
+    @app.exception_handler(SQLAlchemyError)
+    async def database_error(request: Request, exc: SQLAlchemyError):
+        return unavailable(request, f"cannot read the run store: {one_line(exc)}")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -253,7 +282,7 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None)
         if chosen is None:
             raise HTTPException(404, f"run {run_id!r} has no recorded checkpoint"
                                      + ("" if round is None else f" for round {round}"))
-        return _checkpoint_response(run_id, chosen)
+        return _checkpoint_response(run_id, chosen, _run_folders(run_roots, run_id))
 
     app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")
     return app
@@ -267,11 +296,21 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-def _checkpoint_response(run_id: str, checkpoint: dict) -> Response:
+def _run_folders(roots: list[Path], run_id: str) -> list[Path]:
+    """Where the run's checkpoints may live: ``<root>/<run-id>/`` for each run-dir root. Only the
+    operator chooses the roots (never a database row), and a run id that is not one path component
+    has no folder."""
+    if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id or "\0" in run_id:
+        return []
+    return [Path(os.path.realpath(root / run_id)) for root in roots]
+
+
+def _checkpoint_response(run_id: str, checkpoint: dict, run_folders: list[Path]) -> Response:
     """Serve exactly a recorded checkpoint path: the file, or a zip of the directory's regular files.
 
-    Symlinks may not lead outside the recorded location (the file's own directory, or the checkpoint
-    directory for a zip), so a recorded path can never be turned into a read of anything else."""
+    The path (symlinks resolved) must lie under the run's folder (`_run_folders`): a database row that
+    names any other file (``/etc/passwd``) is never served. Symlinks may not lead outside the recorded
+    location either (the file's own directory, or the checkpoint directory for a zip)."""
     recorded = Path(checkpoint["path"]).expanduser()
     if not recorded.is_absolute():
         recorded = Path.cwd() / recorded
@@ -280,6 +319,9 @@ def _checkpoint_response(run_id: str, checkpoint: dict) -> Response:
     headers = {"X-Checkpoint-Sha256": checkpoint["sha256"], "X-Checkpoint-Round": str(checkpoint["round"]),
                "X-Head-Version": str(checkpoint["head_version"])}
     stem = f"{_safe_filename(run_id)}-round{checkpoint['round']}-v{checkpoint['head_version']}"
+    if not any(_inside(resolved, folder) and resolved != folder for folder in run_folders):
+        log.warning("refused checkpoint path outside the run folder of %r", run_id)
+        raise HTTPException(404, "the recorded checkpoint path is outside the run's folder: not served")
     if not _inside(resolved, recorded.parent.resolve()):
         raise HTTPException(404, "checkpoint path leaves its recorded location")
     if resolved.is_file():
@@ -329,13 +371,14 @@ def check_bind(host: str, token: str | None) -> None:
                              f"to {host}")
 
 
-def serve(db: str | None = None, *, host: str = "127.0.0.1", port: int = 8080, token: str | None = None) -> None:
-    """Run the dashboard with uvicorn until interrupted."""
+def serve(db: str | None = None, *, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
+          run_dir: str | Path | None = None) -> None:
+    """Run the dashboard with uvicorn until interrupted (``run_dir``: see `create_app`)."""
     import uvicorn
 
     token = token or os.environ.get(TOKEN_ENV) or None
     check_bind(host, token)
-    app = create_app(db, token=token)
+    app = create_app(db, token=token, run_dir=run_dir)
     logging.getLogger("uvicorn.access").addFilter(_RedactToken())
     where = f"http://{host}:{port}/" + ("?token=<token>" if token else "")
     log.info("dashboard over %s at %s", app.state.store.url, where)

@@ -82,7 +82,7 @@ def screenshot_run(db: str | None, run_id: str, out: Path, *, width: int = 1400,
     from server.dashboard import create_app
     from server.store import RunStore
 
-    store = RunStore(db)
+    store = RunStore(db, read_only=True)  # refuses a missing store; never writes
     if store.get_run(run_id) is None:
         raise ValueError(f"unknown run id {run_id!r} in {store.url}")
     out = Path(out)
