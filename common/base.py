@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
@@ -99,14 +100,35 @@ def fingerprint_dir(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file's header against its size (memory-mapped, nothing loaded): a truncated or
+    corrupt weight file is named in one line instead of failing deep inside transformers."""
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(weights, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise FedLookaheadError(f"truncated or corrupt weight file {weights}: {_first_line(exc)}") from exc
+
+
 def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None = None) -> BaseModel:
     """Load a local causal LM directory with its tokenizer, frozen and in eval mode."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise FedLookaheadError(f"base model directory not found: {path}")
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise FedLookaheadError(f"not a Hugging Face model directory (no config.json): {path}")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        json.loads(config_file.read_text())
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError: a ValueError
+        raise FedLookaheadError(f"broken model config {config_file}: {_first_line(exc)}") from exc
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise FedLookaheadError(f"model type {config.model_type!r} in {path} is not a causal language model")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -119,6 +141,7 @@ def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None 
         raise FedLookaheadError(
             f"tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
         )
+    check_weight_files(path)
     torch_device = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
