@@ -54,14 +54,18 @@ def secaggplus_when_needed(msg: Message, context: Context, call_next):
 
 
 def client_config(context: Context) -> FedConfig:
+    """The run config with this node's overrides; on a device, made no weaker than its privacy floor."""
+    from client.privacy import DeviceFloor
     from common.fedconfig import FedConfig
 
-    return FedConfig.from_mapping(context.run_config, context.node_config)
+    config = FedConfig.from_mapping(context.run_config, context.node_config)
+    floor = DeviceFloor.from_node_config(context.node_config)
+    return floor.apply(config) if floor is not None else config
 
 
 def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
-    from client.privacy import load_state, save_state, state_file, train_round
+    from client.privacy import DeviceFloor, device_round, load_state, save_state, state_file, train_round
     from client.task import cached_base, client_data, client_features
     from common.base import FedLookaheadError
     from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
@@ -77,11 +81,16 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if len(data.train) == 0:
         raise FedLookaheadError("this client has no training chunks")
     run_key = str(fit_config.get(RUN_KEY, context.run_id))
-    path = state_file(config, dict(context.node_config), run_key) if config.dp else None
-    state = load_state(context, path, run_key) if config.dp else None
-    result = train_round(heads, client_features(config, base, data.train, dict(context.node_config)), config, state)
-    if state is not None and not result.skipped:
-        save_state(context, path, state)
+    features = client_features(config, base, data.train, dict(context.node_config))
+    floor = DeviceFloor.from_node_config(context.node_config)
+    if floor is not None:  # a device: its own ledger and lifetime budget
+        result = device_round(heads, features, config, floor, run_key)
+    else:  # a simulated client: the run config governs
+        path = state_file(config, context.node_config, run_key) if config.dp else None
+        state = load_state(context, path, run_key) if config.dp else None
+        result = train_round(heads, features, config, state)
+        if state is not None and not result.skipped:
+            save_state(context, path, state)
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
     bound = config.secagg_clipping_range if config.secagg else None
     reason = validate_update(sent, expected_shapes(heads), bound)
@@ -91,7 +100,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         "skipped": int(bool(result.skipped)),
         "skip-reason": result.skipped,
         "epsilon": float(result.epsilon),
-        "delta": float(config.dp_delta) if config.dp else 0.0,
+        "delta": float(result.delta),
         "dp": int(config.dp),
         "q": float(result.q),
         "no-amplification": int(config.dp and result.q >= 1.0),  # q = 1: every step sees all data

@@ -7,11 +7,15 @@ state folder) and fails with one line if something is wrong; then it runs Flower
 <state>/node-config.toml and passed as `--node-config <file>`):
 
     data-dir           the device's private text folder (client.task reads it instead of a partition)
-    state-dir          where the ClientApp keeps the DP accountant and the global heads (client.state)
+    state-dir          where the ClientApp keeps the privacy ledger and the global heads (client.state)
     heads-dir          where the newest global heads are also published for `fedla generate`
     device             auto | cpu | cuda (FedConfig's `device`, overriding the run config)
     base-model-dir     the device's copy of the base ("" = the embedded default)
-    dp-target-epsilon  the device's own privacy budget (--budget-eps), overriding the run's
+    budget-epsilon, max-dp-delta, max-dp-grad-norm, min-dp-noise-multiplier
+                       the device's privacy floor (client.privacy.DeviceFloor): DP always on, its
+                       lifetime epsilon budget (--budget-eps) over all runs at its delta, the largest
+                       delta and clipping norm and the smallest noise multiplier it accepts; a run
+                       config can only be stricter
 
 Every ClientApp of a run (one process per Flower message, started by the SuperNode) reads those
 keys. The daemon restarts the SuperNode when it exits: at once after a lost connection, with
@@ -69,7 +73,10 @@ class DaemonOptions:
     data: Path
     base: Optional[Path] = None
     device: str = "auto"
-    budget_eps: Optional[float] = None
+    budget_eps: Optional[float] = None  # lifetime epsilon budget; None: DeviceFloor's default
+    max_delta: float | None = None  # None: DeviceFloor's defaults, for these three too
+    max_grad_norm: float | None = None
+    min_noise_multiplier: float | None = None
     root_certificates: Optional[Path] = None
     auth_key: Optional[Path] = None
     state_dir: Optional[Path] = None
@@ -190,18 +197,59 @@ def preflight(opts: DaemonOptions) -> dict:
     if opts.root_certificates is not None:
         check_certificate(opts.root_certificates)
     public_key = check_auth_key(opts.auth_key) if opts.auth_key is not None else None
-    check_state_dir(opts.state_dir or default_state_dir())
+    state_dir = (opts.state_dir or default_state_dir()).expanduser()
+    check_state_dir(state_dir)
+    extra: dict = {}
     if opts.node_config:
         from flwr.common.config import parse_config_args
 
         try:
-            parse_config_args([opts.node_config])
+            extra = parse_config_args([opts.node_config])
         except Exception as exc:  # noqa: BLE001 - click/tomli errors
             raise DaemonError(f"--node-config {opts.node_config!r} is not `k=v ...` with TOML values: {exc}") from exc
+    check_privacy({**floor_values(opts), **extra, "state-dir": str(state_dir)})
     return {"data_files": files, "public_key": public_key}
 
 
+def check_privacy(node_config: dict) -> None:
+    """The privacy floor is valid and the ledger can be trusted (else the device would decline every round)."""
+    from client.privacy import DeviceFloor, load_ledger
+
+    try:
+        DeviceFloor.from_node_config(node_config)
+        load_ledger(Path(node_config["state-dir"]))
+    except FedLookaheadError as exc:
+        raise DaemonError(str(exc)) from exc
+
+
+def reset_ledger_command(state_dir: Path | None, yes: bool) -> int:
+    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.privacy.reset_ledger).
+
+    Prints one line (what was done, or on stderr why not and what resetting means) and returns the
+    exit code: 0, or EXIT_BAD_INPUT without --yes or without a state folder.
+    """
+    from client.privacy import reset_ledger
+
+    try:
+        print(reset_ledger(state_dir or default_state_dir(), yes=yes), flush=True)
+    except FedLookaheadError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------------- node config
+
+
+def floor_values(opts: DaemonOptions) -> dict:
+    """This device's privacy floor as node config keys (client.privacy.DeviceFloor; unset options: its defaults)."""
+    from client.privacy import BUDGET_KEY, MAX_DELTA_KEY, MAX_GRAD_NORM_KEY, MIN_NOISE_KEY, DeviceFloor
+
+    defaults = DeviceFloor(Path("."))
+    chosen = {BUDGET_KEY: (opts.budget_eps, defaults.budget_epsilon), MAX_DELTA_KEY: (opts.max_delta, defaults.delta),
+              MAX_GRAD_NORM_KEY: (opts.max_grad_norm, defaults.max_grad_norm),
+              MIN_NOISE_KEY: (opts.min_noise_multiplier, defaults.min_noise_multiplier)}
+    return {key: float(default if value is None else value) for key, (value, default) in chosen.items()}
 
 
 def node_config_values(opts: DaemonOptions, state_dir: Path) -> dict:
@@ -220,8 +268,7 @@ def node_config_values(opts: DaemonOptions, state_dir: Path) -> dict:
             values["heads-dir"] = str(default_heads_dir().resolve())
         else:
             values["heads-dir"] = str(opts.heads_dir.expanduser().resolve())
-    if opts.budget_eps is not None:
-        values["dp-target-epsilon"] = float(opts.budget_eps)
+    values.update(floor_values(opts))
     if opts.node_config:
         values.update(parse_config_args([opts.node_config]))
     return values
@@ -450,10 +497,13 @@ class ClientDaemon:
         config_file = write_node_config(self.state_dir / "node-config.toml", values)
         port = opts.runtime_port or free_port()
         cmd = self.command(config_file, port)
-        rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, opts.budget_eps)
+        from client.privacy import BUDGET_KEY, MAX_DELTA_KEY
+
+        budget = float(values[BUDGET_KEY])
+        rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
         self.emit(f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
                   f"state {self.state_dir}" + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
-                  + (f", budget epsilon {opts.budget_eps:g}" if opts.budget_eps else ""))
+                  + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}")
         if info["public_key"]:
             self.emit(f"node public key (register it on the server): {info['public_key']}")
         failures, failing_since, refused_since = 0, None, None

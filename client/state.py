@@ -2,7 +2,11 @@
 
 Layout of the state dir (node config `state-dir`; the daemon's default is <cache>/client):
 
-    privacy-<run>.json          the run's DP accountant history (client.privacy; survives restarts)
+    privacy-ledger.json         every run's DP accountant history: the device's lifetime privacy
+                                spending (client.privacy; survives restarts and new runs)
+    trained-once                when the device first trained and how many DP-SGD steps its ledger
+                                held last; a ledger missing or behind it stops training until
+                                `fedla client reset-ledger --state-dir DIR --yes`
     heads/run-<R>-v<V>/         global heads pushed by the server (heads.safetensors, heads_config.json,
                                 fedla_heads.json with version, base fingerprint, run, round, sha256)
     heads/latest -> run-<R>-v<V>  the newest of them (a symlink swapped atomically)

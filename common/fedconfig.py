@@ -3,8 +3,8 @@
 `DEFAULTS` mirrors `[tool.flwr.app.config]` in pyproject.toml (a test keeps the two equal); Flower
 hands the merged run config (pyproject defaults + `flwr run --run-config` overrides) to both sides
 as `context.run_config`. A real device may override any client-side key in its node config
-(`flower-supernode --node-config "dp-target-epsilon=4.0 ..."`), so a device can be stricter about
-its own privacy budget than the run asks.
+(`flower-supernode --node-config "max-chunks-per-client=512 ..."`); its privacy settings are a floor
+the run cannot lower (client.privacy.DeviceFloor).
 """
 
 from __future__ import annotations

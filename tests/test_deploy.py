@@ -215,11 +215,18 @@ def test_node_config_carries_the_device_settings(tmp_path, monkeypatch):
     assert values["data-dir"] == str((tmp_path / "d").resolve())
     assert values["state-dir"] == str((tmp_path / "state").resolve())
     assert values["heads-dir"] == str((tmp_path / "home" / "heads" / "latest").resolve())  # = default_heads_dir()
-    assert values["dp-target-epsilon"] == 3.5 and values["device"] == "cpu" and values["max-chunks-per-client"] == 7
-    from common.fedconfig import FedConfig
+    assert values["device"] == "cpu" and values["max-chunks-per-client"] == 7
+    assert (values["budget-epsilon"], values["max-dp-delta"], values["max-dp-grad-norm"],
+            values["min-dp-noise-multiplier"]) == (3.5, 1e-5, 1.0, 0.5)  # the privacy floor, defaults but the budget
+    from flwr.app import Context, RecordDict
 
-    config = FedConfig.from_mapping({"dp-target-epsilon": 8.0}, values)  # what the ClientApp computes
-    assert (config.dp_target_epsilon, config.device, config.base_model_dir) == (3.5, "cpu", str((tmp_path / "b").resolve()))
+    from client.client_app import client_config
+
+    context = Context(run_id=1, node_id=1, node_config=values, state=RecordDict(),
+                      run_config={"dp-target-epsilon": 8.0, "dp": False})
+    config = client_config(context)  # what the ClientApp computes: the device's floor wins
+    assert (config.dp, config.dp_target_epsilon, config.device, config.base_model_dir) == (
+        True, 3.5, "cpu", str((tmp_path / "b").resolve()))
 
 
 def test_client_app_record_names_match_the_wire_format():

@@ -1,0 +1,146 @@
+"""A device's privacy is its own: a floor the run config cannot lower, and one lifetime ledger that a lost
+or replaced file cannot reset silently (client.privacy, client.daemon)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, RecordDict
+from opacus.accountants import RDPAccountant
+
+from client.client_app import client_config, train_handler
+from client.daemon import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    DaemonError,
+    DaemonOptions,
+    preflight,
+    reset_ledger_command,
+)
+from client.privacy import (
+    LEDGER_FILE,
+    TRAINED_MARKER,
+    LedgerError,
+    epsilon_of,
+    load_ledger,
+    plan,
+    reset_ledger,
+)
+from client.task import cached_base, client_data
+from common.base import FedLookaheadError
+from common.data import stdlib_dir
+from common.heads import DraftHeads
+from common.params import heads_config_dict, heads_to_ndarrays
+
+RUN = {"chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "num-server-rounds": 2,
+       "data-source": str(stdlib_dir() / "json")}
+
+
+def _device(tiny_base_dir: Path, state: Path, run: dict | None = None, **floor) -> Context:
+    """A device's context: node config with a state-dir (as `fedla client` writes it) and its privacy floor."""
+    node_config = {"state-dir": str(state), "partition-id": 0, "num-partitions": 1, **floor}
+    return Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(),
+                   run_config={"base-model-dir": str(tiny_base_dir), **RUN, **(run or {})})
+
+
+def _train(context: Context, heads: DraftHeads, run_key: str) -> dict:
+    fit_config = {**heads_config_dict(heads), "fedla-run-id": run_key, "server-round": 1}
+    return train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
+
+
+def test_device_floor_beats_a_weaker_run_config(tiny_base, tiny_base_dir, tmp_path):
+    floor = {"max-dp-delta": 1e-5, "max-dp-grad-norm": 1.0, "min-dp-noise-multiplier": 0.8, "budget-epsilon": 50.0}
+    weak = {"dp": False, "dp-delta": 0.5, "dp-max-grad-norm": 100.0}
+    context = _device(tiny_base_dir, tmp_path / "state", weak, **floor)
+    config = client_config(context)
+    assert (config.dp, config.dp_delta, config.dp_max_grad_norm) == (True, 1e-5, 1.0)
+    metrics = _train(context, DraftHeads.fresh(tiny_base, 2), "no-dp-run")
+    assert metrics["skipped"] == 0 and metrics["dp"] == 1 and metrics["delta"] == 1e-5
+    assert metrics["noise-multiplier"] >= 0.8
+    # a run asking for a tiny sigma and a large delta gets the device's minimum sigma, accounted at its delta
+    context = _device(tiny_base_dir, tmp_path / "state-2", {"dp-noise-multiplier": 0.1, "dp-delta": 0.5}, **floor)
+    metrics = _train(context, DraftHeads.fresh(tiny_base, 2), "weak-sigma-run")
+    assert metrics["noise-multiplier"] == 0.8 and metrics["delta"] == 1e-5
+    assert metrics["epsilon"] == pytest.approx(epsilon_of([(0.8, metrics["q"], metrics["steps"])], 1e-5))
+
+
+def test_budget_is_the_devices_across_runs(tiny_base, tiny_base_dir, tmp_path):
+    """Two rounds of run A fit the budget; a new run B does not start a fresh one."""
+    state = tmp_path / "state"
+    probe = _device(tiny_base_dir, state)
+    config = client_config(probe)
+    q, steps = plan(config, len(client_data(config, cached_base(config), dict(probe.node_config)).train))
+    continuous = RDPAccountant()
+    for _ in range(2 * steps):
+        continuous.step(noise_multiplier=1.0, sample_rate=q)
+    budget = continuous.get_epsilon(1e-5) + 1e-3
+    heads = DraftHeads.fresh(tiny_base, 2)
+    run = {"dp-noise-multiplier": 1.0}
+    for _ in range(2):
+        metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": budget}), heads, "run-a")
+        assert metrics["skipped"] == 0
+    assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)  # Opacus over both rounds
+    metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": budget}), heads, "run-b")
+    assert metrics["skipped"] == 1 and "lifetime epsilon" in metrics["skip-reason"]
+    assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)
+    ledger = json.loads((state / LEDGER_FILE).read_text())
+    assert list(ledger["runs"]) == ["run-a"] and sorted(p.name for p in state.glob("privacy*")) == [LEDGER_FILE]
+    # with room for it, run B trains and both runs compose in the one ledger
+    metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": 100.0}), heads, "run-b")
+    assert metrics["skipped"] == 0
+    for _ in range(steps):
+        continuous.step(noise_multiplier=1.0, sample_rate=q)
+    assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)
+    assert load_ledger(state).steps == 3 * steps
+
+
+def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_path, capsys):
+    state = tmp_path / "state"
+    heads = DraftHeads.fresh(tiny_base, 2)
+    assert _train(_device(tiny_base_dir, state), heads, "run-a")["skipped"] == 0
+    assert (state / TRAINED_MARKER).is_file()
+    ledger_file = state / LEDGER_FILE
+    good = ledger_file.read_text()
+    emptied = json.loads(good)
+    emptied["runs"]["run-a"]["history"] = []
+    replaced = {**emptied, "runs": {"another-run": {"noise_multiplier": 1.0, "history": []}}}
+    corrupt = '{"format": "fedla-privacy-ledger/1", "ru'
+    cases = [("missing but this device has trained", None), ("holds 0 DP-SGD steps", json.dumps(emptied)),
+             ("holds 0 DP-SGD steps", json.dumps(replaced)), ("unreadable", corrupt)]
+    for expected, text in cases:
+        if text is None:
+            ledger_file.unlink()
+        else:
+            ledger_file.write_text(text)
+        with pytest.raises(LedgerError, match=expected) as caught:
+            load_ledger(state)
+        assert "\n" not in str(caught.value) and "reset-ledger --state-dir" in str(caught.value)
+        metrics = _train(_device(tiny_base_dir, state), heads, "run-b")  # declines; never trains on 0
+        assert metrics["skipped"] == 1 and expected in metrics["skip-reason"]
+        assert metrics["epsilon"] == float("inf")
+        opts = DaemonOptions(superlink="127.0.0.1:9092", data=stdlib_dir() / "json", state_dir=state, insecure=True)
+        with pytest.raises(DaemonError, match=expected) as caught:  # `fedla client` does not even start
+            preflight(opts)
+        assert "\n" not in str(caught.value)
+
+    # resetting is deliberate: without --yes nothing changes, and the message says what it means
+    assert reset_ledger_command(state, yes=False) == EXIT_BAD_INPUT
+    assert "does not go away" in capsys.readouterr().err
+    with pytest.raises(FedLookaheadError, match="forgets this device's past privacy spending"):
+        reset_ledger(state, yes=False)
+    assert ledger_file.read_text() == corrupt
+    assert reset_ledger_command(state, yes=True) == EXIT_OK
+    assert "reset: past spending forgotten" in capsys.readouterr().out
+    assert [p.read_text() for p in state.glob(f"{LEDGER_FILE}.reset-*")] == [corrupt]
+    assert load_ledger(state).resets[0]["forgotten_steps"] > 0
+    assert _train(_device(tiny_base_dir, state), heads, "run-b")["skipped"] == 0
+
+
+def test_simulated_clients_keep_the_run_config(tiny_base, tiny_base_dir):
+    """No state-dir: the run config governs (dp=false trains without DP, as the simulations expect)."""
+    context = Context(run_id=7, node_id=3, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                      run_config={"base-model-dir": str(tiny_base_dir), **RUN, "dp": False})
+    metrics = _train(context, DraftHeads.fresh(tiny_base, 2), "sim")
+    assert metrics["dp"] == 0 and metrics["epsilon"] == float("inf") and metrics["skipped"] == 0
