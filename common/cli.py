@@ -273,12 +273,14 @@ def dashboard_cmd(
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires a token."),
     port: int = typer.Option(8080, min=1, max=65535),
     token: Optional[str] = typer.Option(None, envvar="FEDLA_DASHBOARD_TOKEN", help="Require this token on every request."),
+    run_dir: Optional[Path] = typer.Option(None, help="Folder holding the runs' <run-id>/ folders, when the store "
+                                           "is kept elsewhere (default: the store's own folder)."),
 ) -> None:
     """Read-only web dashboard of federated runs: live plots, SecAgg+ settings, checkpoint download."""
     from server.dashboard import serve
 
     try:
-        serve(db, host=host, port=port, token=token)
+        serve(db, host=host, port=port, token=token, run_dir=run_dir)
     except ValueError as exc:
         fail(str(exc))
 
