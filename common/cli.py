@@ -18,7 +18,9 @@ import typer
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.training import DEFAULT_DRAFT_VOCAB
 
-app = typer.Typer(help="FedLookahead: federated lookahead heads for fast lossless decoding.", no_args_is_help=True)
+# Tracebacks never print local variables: they would show dashboard tokens and database passwords.
+app = typer.Typer(help="FedLookahead: federated lookahead heads for fast lossless decoding.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
 log = logging.getLogger("fedla")
 
 
@@ -283,6 +285,8 @@ def dashboard_cmd(
         serve(db, host=host, port=port, token=token, run_dir=run_dir)
     except ValueError as exc:
         fail(str(exc))
+    except ImportError as exc:  # the URL's database driver (say psycopg for PostgreSQL) is not installed
+        fail(f"the run store's database driver is not installed: pip install {exc.name}")
 
 
 @app.command("dashboard-screenshot")
@@ -344,16 +348,26 @@ def server_cmd(
     raise typer.Exit(code=code)
 
 
-@app.command("client")
+client_group = typer.Typer(help="The device daemon (fedla client --superlink ... --data ...) and its privacy ledger.",
+                           pretty_exceptions_show_locals=False)
+app.add_typer(client_group, name="client")
+
+
+@client_group.callback(invoke_without_command=True)
 def client_cmd(
-    superlink: str = typer.Option(..., help="SuperLink address HOST:PORT."),
-    data: Path = typer.Option(..., help="This device's private folder of text/code files."),
+    ctx: typer.Context,
+    superlink: Optional[str] = typer.Option(None, help="SuperLink address HOST:PORT."),
+    data: Optional[Path] = typer.Option(None, help="This device's private folder of text/code files."),
     base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
     device: str = typer.Option("auto", help="auto | cpu | cuda (training and evaluation on this device)."),
-    budget_eps: Optional[float] = typer.Option(None, help="This device's privacy budget (epsilon); it declines training beyond it."),
+    budget_eps: Optional[float] = typer.Option(None, help="Lifetime privacy budget (epsilon) of this device over all "
+                                               "runs (default 8); it declines training beyond it."),
+    max_delta: Optional[float] = typer.Option(None, help="Largest DP delta this device accepts (default 1e-5)."),
+    max_grad_norm: Optional[float] = typer.Option(None, help="Largest clipping norm it accepts (default 1.0)."),
+    min_noise_multiplier: Optional[float] = typer.Option(None, help="Smallest noise multiplier it trains with (default 0.5)."),
     root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (default: system CAs)."),
     auth_key: Optional[Path] = typer.Option(None, help="This node's ECDSA private key (OpenSSH) for node authentication."),
-    state_dir: Optional[Path] = typer.Option(None, help="Private state: accountant, global heads, logs (default: <cache>/client)."),
+    state_dir: Optional[Path] = typer.Option(None, help="Private state: ledger, accountant, global heads, logs (default: <cache>/client)."),
     heads_dir: Optional[Path] = typer.Option(None, help="Also publish the newest global heads here (default: $FEDLA_HEADS or <cache>/heads/latest)."),
     no_publish: bool = typer.Option(False, "--no-publish", help="Keep heads only in the state folder."),
     insecure: bool = typer.Option(False, "--insecure", help="No TLS (tests only; incompatible with --auth-key)."),
@@ -366,12 +380,32 @@ def client_cmd(
     node_config: str = typer.Option("", help="Extra node config `k=v ...` (client-side run-config keys)."),
 ) -> None:
     """Long-running device daemon: a Flower SuperNode running the FedLookahead ClientApp."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if superlink is None or data is None:
+        fail("fedla client needs --superlink and --data (or a subcommand: reset-ledger)")
     from client.daemon import DaemonOptions, run_daemon
 
     opts = DaemonOptions(superlink=superlink, data=data, base=base, device=device, budget_eps=budget_eps,
+                         max_delta=max_delta, max_grad_norm=max_grad_norm, min_noise_multiplier=min_noise_multiplier,
                          root_certificates=root_certificates, auth_key=auth_key, state_dir=state_dir,
                          heads_dir=heads_dir, publish_heads=not no_publish, insecure=insecure,
                          max_retries=max_retries, max_wait_time=max_wait_time, restarts=restarts,
                          refused_patience=refused_patience,
                          runtime_port=runtime_port, node_config=node_config)
     raise typer.Exit(code=run_daemon(opts))
+
+
+@client_group.command("reset-ledger")
+def reset_ledger_cmd(
+    state_dir: Optional[Path] = typer.Option(None, help="The device's state folder (default: <cache>/client)."),
+    yes: bool = typer.Option(False, "--yes", help="Really forget past privacy spending (the real privacy loss stays)."),
+) -> None:
+    """Start this device's privacy ledger over, on purpose: forgets past spending, not the privacy already lost."""
+    from client.daemon import reset_ledger_command
+
+    raise typer.Exit(code=reset_ledger_command(state_dir, yes))
+
+
+if __name__ == "__main__":
+    app()

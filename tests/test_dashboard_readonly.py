@@ -174,3 +174,19 @@ def test_deleting_the_store_while_serving_is_503_and_recreates_nothing(tmp_path)
     make_store(db, run_id="run-b")
     replaced = client.get("/api/runs")
     assert replaced.status_code == 503 and "was replaced by another file" in replaced.json()["detail"]
+
+
+def test_cli_errors_never_show_secrets(tmp_path):
+    """A real `fedla dashboard` process: no traceback, no password of the URL, no token (typer shows no locals)."""
+    import subprocess
+    import sys
+
+    garbage = tmp_path / "garbage.db"
+    garbage.write_text("not a database")
+    for db in ("postgresql://user:PW-1234@127.0.0.1:1/runs", str(garbage)):
+        done = subprocess.run([sys.executable, "-m", "common.cli", "dashboard", "--db", db, "--token", "s3cret-TOKEN-9"],
+                              capture_output=True, text=True, timeout=120)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, output
+        assert "PW-1234" not in output and "s3cret-TOKEN-9" not in output and "Traceback" not in output
+        assert len(output.strip().splitlines()) == 1 and output.startswith("error:")
