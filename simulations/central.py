@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.task import cached_base, client_data
     from common.fedconfig import FedConfig
+    from common.features import base_features
     from common.heads import DraftHeads
     from common.training import train_heads
     from server.federation import ServerEval
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         heads = DraftHeads.fresh(base, config.num_heads)
         started = time.perf_counter()
-        history = train_heads(heads, base, chunks, epochs=epochs, lr=config.lr, batch_size=config.batch_size,
-                              seed=config.seed)
+        history = train_heads(heads, base_features(base, chunks, progress=True), epochs=epochs, lr=config.lr,
+                              batch_size=config.batch_size, seed=config.seed)
         report["train_seconds"] = time.perf_counter() - started
         report["train"] = history[-1]
     report["central"] = evaluation.run(heads, base, config, heads_only=True)

@@ -1,0 +1,162 @@
+"""Draft-head training variants on the real base, side by side: cost per training token and what they buy.
+
+    python -m simulations.bench_heads [--chunks 800] [--minutes 1.5] [--json runs/bench-heads.json]
+
+Every variant trains fresh heads on the same public chunks (stdlib train split) for the same wall-clock
+budget and is measured on the same held-out chunks and prompts (held-out stdlib packages):
+
+* `uncached_full_vocab_parallel`: what `train-heads` did before the feature cache: a base forward for
+  every batch of every epoch, all 49,152 LM-head rows, Medusa-style parallel heads. Only its cost is
+  measured (a few batches), since at about 100 tokens/s it learns nothing in the budget.
+* `cached_full_vocab_parallel`, `cached_8192_parallel`, `cached_8192_recurrent`, `cached_4096_recurrent`:
+  the base features computed once per chunk (common/features.py), then the draft vocabulary size and the
+  head architecture varied one at a time.
+* `dp_8192_recurrent`: the same as `cached_8192_recurrent` under Opacus DP-SGD (client/privacy.py's
+  train_round, sigma for eps 8 over the round), for the DP / non-DP rate ratio.
+
+Per variant: training tokens/s, held-out top-1 accuracy of each head against the base's greedy choices,
+and the heads-only AMS-LD accepted length tau (tokens per base forward, bonus included) on held-out
+prompts. `--curve-minutes M` also trains the default variant for M minutes and reports held-out
+accuracy against training tokens (where it flattens). Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from client.privacy import PrivacyState, train_round
+from common.base import BaseModel, load_base
+from common.data import chunk_files, prompts_from_files, stdlib_files
+from common.decoding import AmsPolicy, generate
+from common.default_model import ensure_default_base
+from common.draft_vocab import build_draft_vocab
+from common.fedconfig import FedConfig
+from common.features import Features, base_features, compute_features
+from common.heads import DraftHeads
+from common.training import evaluate_heads, feature_loader, train_epoch, train_heads
+
+VARIANTS = {  # name -> (draft vocabulary size, 0 = all; architecture)
+    "cached_full_vocab_parallel": (0, "parallel"),
+    "cached_8192_parallel": (8192, "parallel"),
+    "cached_8192_recurrent": (8192, "recurrent"),
+    "cached_4096_recurrent": (4096, "recurrent"),
+}
+
+
+def heads_only_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int) -> float:
+    """AMS-LD tau with the heads as the only drafter (no n-gram source)."""
+    tokens = forwards = 0
+    for prompt in prompts:
+        result = generate(base, prompt, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False,
+                          policy=AmsPolicy(ngram=False))
+        tokens, forwards = tokens + len(result.tokens), forwards + result.base_forwards
+    return tokens / max(1, forwards)
+
+
+def uncached_rate(base: BaseModel, chunks: torch.Tensor, batches: int = 3, batch_size: int = 16) -> float:
+    """Training tokens/s when every batch pays a base forward and the full-vocabulary heads."""
+    heads = DraftHeads.fresh(base, 4, arch="parallel")
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=2e-3)
+    started = time.perf_counter()
+    for i in range(batches):
+        batch = chunks[i * batch_size : (i + 1) * batch_size]
+        features = compute_features(base, batch, batch_size=batch_size, progress=False)
+        train_epoch(heads, feature_loader(features, batch_size, shuffle=False), optimizer, 4, show_progress=False)
+    return batches * batch_size * chunks.shape[1] / (time.perf_counter() - started)
+
+
+def dp_variant(base: BaseModel, features: Features, vocab: list[int], seconds: float) -> tuple[DraftHeads, float]:
+    """Opacus DP-SGD rounds (eps 8 planned over them) until the budget is spent; returns heads and tokens/s."""
+    heads = DraftHeads.fresh(base, 4, arch="recurrent", draft_vocab=vocab)
+    config = FedConfig.from_mapping({"dp": True, "dp-target-epsilon": 8.0, "batch-size": 64, "lr": 2e-3,
+                                     "num-server-rounds": 4, "local-epochs": 1})
+    state = PrivacyState(run_key="bench")
+    tokens, spent, rounds = 0, 0.0, 0
+    while spent < seconds and rounds < config.num_server_rounds:
+        result = train_round(heads, features, config, state)
+        tokens += result.metrics.tokens
+        spent += result.seconds
+        rounds += 1
+    return heads, tokens / spent if spent else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=800, help="Public training chunks of 128 tokens.")
+    parser.add_argument("--minutes", type=float, default=1.5, help="Training budget of every variant.")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--curve-minutes", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("runs/bench-heads.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    base = load_base(ensure_default_base(), device="auto")
+    generator = torch.Generator().manual_seed(0)
+    chunks = chunk_files(stdlib_files("train"), base.tokenizer, 128)
+    chunks = chunks[torch.randperm(len(chunks), generator=generator)[: args.chunks]]
+    heldout = chunk_files(stdlib_files("heldout"), base.tokenizer, 128)
+    heldout = heldout[torch.randperm(len(heldout), generator=generator)[:128]]
+    prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, args.prompts, 64)
+
+    results: dict = {"base": str(base.path), "train_chunks": len(chunks), "minutes_per_variant": args.minutes}
+    results["uncached_full_vocab_parallel"] = {"train_tokens_per_s": round(uncached_rate(base, chunks), 1)}
+    started = time.perf_counter()
+    features = base_features(base, chunks, progress=True)
+    heldout_features = base_features(base, heldout, progress=True)
+    results["feature_tokens_per_s"] = round(chunks.numel() / (time.perf_counter() - started), 1)
+    vocabs = {size: build_draft_vocab(base, features, size) for size in {0, 4096, 8192}}
+
+    def measure(name: str, heads: DraftHeads, rate: float) -> None:
+        accuracy = evaluate_heads(heads, heldout_features)["head_accuracy"]
+        results[name] = {"train_tokens_per_s": round(rate, 1), "heldout_acc": [round(a, 4) for a in accuracy],
+                         "tau_heads_only": round(heads_only_tau(base, heads, prompts, args.max_new_tokens), 3)}
+        print(name, results[name], flush=True)
+
+    for name, (size, arch) in VARIANTS.items():
+        torch.manual_seed(0)
+        heads = DraftHeads.fresh(base, 4, arch=arch, draft_vocab=vocabs[size] if size else [])
+        began = time.perf_counter()
+        history = train_heads(heads, features, epochs=100, lr=2e-3, max_seconds=args.minutes * 60, show_progress=False)
+        measure(name, heads, sum(h["tokens"] for h in history) / (time.perf_counter() - began))
+    heads, rate = dp_variant(base, features, vocabs[8192], args.minutes * 60)
+    measure("dp_8192_recurrent", heads, rate)
+    results["dp_over_nodp_rate"] = round(rate / results["cached_8192_recurrent"]["train_tokens_per_s"], 3)
+
+    if args.curve_minutes > 0:
+        torch.manual_seed(0)
+        heads = DraftHeads.fresh(base, 4, arch="recurrent", draft_vocab=vocabs[8192])
+        optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)  # constant: the curve is not bent by a schedule
+        curve, trained, epoch = [], 0, 0
+        deadline = time.perf_counter() + args.curve_minutes * 60
+        while time.perf_counter() < deadline:
+            loader = feature_loader(features, 16, shuffle=True, seed=epoch)
+            trained += train_epoch(heads, loader, optimizer, 4, show_progress=False, deadline=deadline,
+                                   mixed_precision=True).tokens
+            epoch += 1
+            curve.append({"train_tokens": trained,
+                          "heldout_acc": [round(a, 4) for a in evaluate_heads(heads, heldout_features)["head_accuracy"]]})
+            print("curve", curve[-1], flush=True)
+        results["curve"] = curve
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"\n{'variant':<30}{'tokens/s':>10}{'tau':>7}  held-out top-1 per head")
+    for name in ["uncached_full_vocab_parallel", *VARIANTS, "dp_8192_recurrent"]:
+        row = results[name]
+        accuracy = " / ".join(f"{a:.3f}" for a in row.get("heldout_acc", []))
+        tau = f"{row['tau_heads_only']:.2f}" if "tau_heads_only" in row else "-"
+        print(f"{name:<30}{row['train_tokens_per_s']:>10.1f}{tau:>7}  {accuracy}")
+    print(f"base features: {results['feature_tokens_per_s']:.0f} tokens/s (once per chunk); "
+          f"DP / non-DP training rate: {results['dp_over_nodp_rate']:.2f}; JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
