@@ -230,6 +230,7 @@ def bench_decode_cmd(
     max_new_tokens: int = typer.Option(128, min=1),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
     modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
                               help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree."),

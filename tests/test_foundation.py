@@ -235,3 +235,6 @@ def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):
                                       "--base", str(tiny_base_dir), "--device", "cpu"])
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "data directory not found" in result.output
+    for command in (["generate", "--prompt", "x"], ["bench-decode"]):
+        result = CliRunner().invoke(app, [*command, "--base", str(tiny_base_dir), "--dtype", "int4", "--device", "cpu"])
+        assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and "unknown --dtype" in result.output
