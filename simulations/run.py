@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(args.scenario)
     run_config = dict(scenario.get("run-config", {}))
     run_config.update(parse_sets(args.set))
+    for key in ("init-heads", "base-model-dir", "resume-from", "data-source"):  # the app runs in another folder
+        value = run_config.get(key)
+        if isinstance(value, str) and value and Path(value).exists():
+            run_config[key] = str(Path(value).resolve())
     if args.rounds:
         run_config["num-server-rounds"] = args.rounds
     run_id = args.run_id or f"{args.scenario}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
