@@ -43,10 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from common.base import FedLookaheadError
-from common.procs import (ProcessTree, flower_bin, flower_env, free_port, set_parent_death_signal, strip_ansi,
-                          toml_value)
 from client.state import EVENTS_FILE, default_state_dir
+from common.base import FedLookaheadError
+from common.procs import ProcessTree, flower_bin, flower_env, free_port, set_parent_death_signal, strip_ansi, toml_value
 
 log = logging.getLogger("fedla.client")
 

@@ -45,9 +45,9 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from common.base import FedLookaheadError
+from common.features import Features
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
-from common.features import Features
 from common.training import HeadMetrics, feature_loader, train_epoch
 
 STATE_RECORD = "fedla-privacy"

@@ -32,8 +32,8 @@ from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Part
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.data import read_text, stdlib_dir, stdlib_files, text_files
 from common.default_model import cache_root, ensure_default_base
-from common.fedconfig import FedConfig
 from common.features import Features, base_features
+from common.fedconfig import FedConfig
 
 log = logging.getLogger(__name__)
 

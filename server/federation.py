@@ -61,7 +61,9 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey, Stage as SecAggStage
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.app_utils import start_update_client_manager_thread
@@ -69,7 +71,8 @@ from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.server_config import ServerConfig
 from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
 

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 def local_training(config_overrides: dict, reps: int) -> dict:
     from client.privacy import PrivacyState, choose_noise_multiplier, plan, train_round
     from client.task import cached_base, client_data
-    from common.fedconfig import FedConfig
     from common.features import base_features
+    from common.fedconfig import FedConfig
     from common.heads import DraftHeads
 
     times: dict[str, list[float]] = {"dp": [], "plain": []}
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):  # alternate the order so drifting machine load hits both alike
             for mode in (("plain", "secagg") if rep % 2 == 0 else ("secagg", "plain")):
                 runs[mode].append(federated_round(overrides, args.clients, secagg=mode == "secagg"))
-        def med(mode: str, key: str) -> float:
+        def med(mode: str, key: str, runs: dict = runs) -> float:
             return statistics.median(r[key] for r in runs[mode])
 
         rounds[name] = {

@@ -35,8 +35,8 @@ from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy, generate
 from common.default_model import ensure_default_base
 from common.draft_vocab import build_draft_vocab
-from common.fedconfig import FedConfig
 from common.features import Features, base_features, compute_features
+from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.training import evaluate_heads, feature_loader, train_epoch, train_heads
 

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from client.task import cached_base, client_data
-    from common.fedconfig import FedConfig
     from common.features import base_features
+    from common.fedconfig import FedConfig
     from common.heads import DraftHeads
     from common.training import train_heads
     from server.federation import ServerEval

@@ -27,11 +27,9 @@ from pathlib import Path
 import httpx
 
 # process helpers shared with the deployment SuperLink (server/deploy.py) and the device daemon
-from common.procs import alive as _alive
-from common.procs import config_args, toml_value  # noqa: F401 - re-exported for callers of this module
+from common.procs import config_args, terminate, toml_value  # noqa: F401 - re-exported for callers of this module
 from common.procs import descendants as _descendants
 from common.procs import free_port as _free_port
-from common.procs import terminate
 
 REPO = Path(__file__).resolve().parents[1]
 

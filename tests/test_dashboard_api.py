@@ -19,6 +19,7 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from dashboard_data import SECAGG, fill_realistic_run, write_checkpoint
+
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
 from server.store import RunStore
 

@@ -16,6 +16,7 @@ if find_chromium() is None:
 pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
 
 from dashboard_data import fill_realistic_run  # noqa: E402
+
 from server.dashboard import create_app  # noqa: E402
 from server.store import RunStore  # noqa: E402
 

@@ -25,8 +25,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's note about httpx vs httpx2
     from fastapi.testclient import TestClient
 
-from common.cli import app as cli
 from dashboard_data import fill_realistic_run
+
+from common.cli import app as cli
 from server.dashboard import create_app
 from server.store import RunStore, StoreUnavailable
 

@@ -29,7 +29,9 @@ from common.decoding import (
     load_heads,
     sampling_probs,
 )
+from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner
+from common.decoding.drafting import Candidate, choose_tree
 from common.decoding.tree import (
     attention_mask_4d,
     build_tree_spec,
@@ -40,8 +42,6 @@ from common.decoding.tree import (
     sample_accept,
     tree_paths,
 )
-from common.decoding.calibration import CostCurve
-from common.decoding.drafting import Candidate, choose_tree
 from common.features import compute_features
 from common.heads import DraftHeads
 from common.training import feature_loader, train_epoch
@@ -546,7 +546,7 @@ def test_choose_tree_maximises_expected_tokens_per_second():
         order = sorted(range(len(candidates)), key=lambda i: -candidates[i].estimate)
         assert chosen == order[: len(chosen)]  # a prefix in order of estimate: parents come first
 
-        def value(n: int) -> float:
+        def value(n: int, order: list[int] = order, curve: CostCurve = curve) -> float:
             nodes = [candidates[i] for i in order[:n]]
             internal = len({c.parent for c in nodes})
             return (1 + sum(c.estimate for c in nodes)) / (curve.verify(n + 1, internal + 1) + fixed)

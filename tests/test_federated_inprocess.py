@@ -11,7 +11,8 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import FitRes, ndarray_to_bytes, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from client import client_app as client_module
 from client.client_app import secaggplus_when_needed, train_handler

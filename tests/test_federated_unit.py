@@ -19,6 +19,7 @@ from client.privacy import PrivacyState, epsilon_of, load_state, save_state
 from client.task import PackagePartitioner
 from common.base import FedLookaheadError
 from common.data import stdlib_dir
+from common.features import compute_features
 from common.fedconfig import DEFAULTS, FedConfig
 from common.heads import DraftHeads
 from common.params import (
@@ -34,7 +35,6 @@ from common.params import (
     validate_metrics,
     validate_update,
 )
-from common.features import compute_features
 from common.training import feature_loader, heads_loss
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from common.base import FedLookaheadError, load_base, resolve_device
 from common.cli import app
 from common.data import chunk_files, load_chunks, stdlib_files
-from common.heads import DraftHeads
 from common.features import compute_features
+from common.heads import DraftHeads
 from common.training import evaluate_heads, train_heads
 from tests.conftest import TINY_VOCAB, save_tiny
 
@@ -52,8 +52,8 @@ def test_load_base_errors(tmp_path, tiny_tokenizer, tiny_base_dir):
 
 
 def test_tokenizer_larger_than_vocab_is_refused(tmp_path, tiny_base_dir):
-    from common.default_model import train_tokenizer
     from common.data import read_text
+    from common.default_model import train_tokenizer
 
     big_tokenizer = train_tokenizer([read_text(p) for p in stdlib_files("train")[:60]], TINY_VOCAB * 2)
     mismatched = tmp_path / "mismatched"

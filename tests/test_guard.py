@@ -14,7 +14,8 @@ import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key as SecAggKey, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from common.base import BaseModel, FedLookaheadError
+from common.decoding.calibration import CostCurve, cost_curve
 from common.decoding.core import (
     DegenerationGuard,
     GenerationResult,
@@ -35,7 +36,6 @@ from common.decoding.core import (
     sampling_probs,
 )
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
-from common.decoding.calibration import CostCurve, cost_curve
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.heads import DraftHeads
 

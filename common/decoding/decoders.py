@@ -8,9 +8,9 @@ next tree together.
 
 from __future__ import annotations
 
-import torch
-
 import time
+
+import torch
 
 from common.base import BaseModel
 from common.decoding.calibration import CostCurve
@@ -86,7 +86,7 @@ def ams_decode(
 
     hidden = runner.forward(ids)[0, -1]
     if not runner.plain_cache():
-        raise UnsupportedCache(f"cache layers {sorted({type(l).__name__ for l in runner.cache.layers})}")
+        raise UnsupportedCache(f"cache layers {sorted({type(layer).__name__ for layer in runner.cache.layers})}")
     first = _first_token(runner.logits(hidden), temperature, top_p, generator)
     packed = torch.cat([first.view(1).double(), drafter.draft_inputs(hidden, first)]).tolist()
     root, values = int(packed[0]), packed[1:]

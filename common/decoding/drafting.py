@@ -27,7 +27,6 @@ token is estimated by how often its chains reached length j in this generation.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
