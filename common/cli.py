@@ -136,13 +136,17 @@ def train_heads_cmd(
 
 
 def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
-    """Heads for ams/fused: --heads, else the newest heads in default_heads_dir(); None (warned) if none fit."""
+    """Heads for ams/fused: --heads (which must load: a FedLookaheadError otherwise), else the newest heads
+    in default_heads_dir(), or None (warned) when none fit."""
     import warnings
 
     from common.decoding import load_heads
+    from common.heads import DraftHeads
 
     if mode not in ("ams", "fused"):
         return None
+    if heads is not None:  # asked for by name: never a silent fallback to plain decoding
+        return DraftHeads.load(heads, model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = load_heads(heads, model)
