@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from common.base import BaseModel
-from common.decoding import AmsPolicy, CostCurve, generate
+from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
 from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
 
@@ -117,10 +117,12 @@ def decode_benchmark(
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
         run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy, curve)
     totals = {mode: ModeTotals() for mode in modes}
+    looping = 0  # prompts whose greedy output ends in a repetition loop, which prompt lookup drafts for free
     for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):
         order = modes[index % len(modes) :] + modes[: index % len(modes)]
         runs = {mode: run_mode(mode, base, heads, ids, max_new_tokens, policy, curve) for mode in order}
         reference = runs["hf_greedy"]
+        looping += DegenerationGuard().looping(reference.tokens)
         for mode, run in runs.items():
             total = totals[mode]
             total.tokens += len(run.tokens)
@@ -149,6 +151,7 @@ def decode_benchmark(
         },
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
+        "greedy_outputs_ending_in_a_loop": looping,
     }
     return summary
 
@@ -178,7 +181,8 @@ def format_table(summary: dict) -> str:
             f"{mode:<18}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}"
             f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {_identity(row)}"
         )
-    lines.append(f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1")
+    lines.append(f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
+                 f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop")
     return "\n".join(lines)
 
 

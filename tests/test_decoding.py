@@ -682,7 +682,9 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     ])
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
-    assert set(summary) == {"modes", "speedup_vs_hf_greedy", "prompts", "max_new_tokens", "cost_curve"}
+    assert set(summary) == {"modes", "speedup_vs_hf_greedy", "prompts", "max_new_tokens", "cost_curve",
+                            "greedy_outputs_ending_in_a_loop"}
+    assert 0 <= summary["greedy_outputs_ending_in_a_loop"] <= 2
     assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only"}
     assert summary["cost_curve"]["1"] == 1.0 and all(c > 0 for c in summary["cost_curve"].values())
     assert set(summary["speedup_vs_hf_greedy"]) == set(summary["modes"])
