@@ -1,0 +1,595 @@
+"""The device's local generation endpoint: OpenAI-compatible completions for apps on the device.
+
+    POST /v1/completions        {"prompt": "...", "max_tokens", "temperature", "top_p", "stop", "seed", "stream"}
+    POST /v1/chat/completions   {"messages": [{"role", "content"}, ...], same options}
+    GET  /v1/models             the one model served (the base's directory name)
+
+It listens on loopback only (127.0.0.1 / ::1): the prompts and outputs of the device's apps stay on
+the device. Decoding is AMS-LD (lossless: greedy output equals the base's own greedy output) with
+the newest global heads; without usable heads it is plain decoding (usage.mode says which).
+
+- Heads: `HeadsHolder` watches a heads folder (the daemon's `<state>/heads/latest` symlink, or the
+  folder the daemon publishes to) and, between requests, loads the heads it points to when its
+  target changed. A request takes one immutable snapshot when it starts and decodes with it to the
+  end, so a swap never happens mid-request; usage.heads_version says which heads answered.
+- Queueing: one worker thread generates, requests wait in arrival order (none dropped); only past
+  `max_queue` waiting or running requests is a new one answered 503.
+- Streaming (`"stream": true`): server-sent events, `data: {chunk}` lines and a final
+  `data: [DONE]`. The text really is streamed as the decoder accepts tokens (a Stopper subclass
+  sees every accepted step), never generated first and replayed. Text is held back while it ends
+  in an incomplete UTF-8 character or could be the start of a stop string, so the chunks always
+  concatenate to the non-streamed text. The chunk with finish_reason also carries `usage`.
+- Usage: OpenAI's prompt_tokens / completion_tokens / total_tokens, plus tokens_per_s (decoding
+  time only, queueing excluded), tau (tokens per base forward), heads_version and mode.
+- Stop strings follow OpenAI: the text ends before the first stop string (finish_reason "stop").
+  Defaults differ from OpenAI's: temperature 0 (greedy, as `fedla generate`), max_tokens 256.
+- Errors use OpenAI's shape {"error": {"message", "type", "code"}} with a one-line message: 400 for
+  bad input, 503 when the base model cannot be loaded (retried on the next request, so a base
+  copied in later is picked up) or the queue is full.
+
+Limitations: one completion per request (n = 1), no logprobs / echo / suffix / tools; the request's
+`model` field is ignored (one base is served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Literal, Sequence
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel as Schema
+from pydantic import ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client.state import read_heads_meta
+from common.base import BaseModel, FedLookaheadError, load_base
+from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult
+from common.decoding.calibration import cost_curve
+from common.decoding.core import Stopper, Timer, check_prompt, check_sampling, make_generator
+from common.decoding.decoders import UnsupportedCache, ams_decode, greedy_decode
+from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+
+log = logging.getLogger("fedla.endpoint")
+
+DEFAULT_PORT = 8765
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_QUEUE = 64
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "degeneration": "stop", "cancelled": "stop",
+                  "max_new_tokens": "length", "context": "length"}
+
+
+class BaseUnavailable(FedLookaheadError):
+    """The base model cannot be loaded: every request is answered 503 until it can."""
+
+
+class QueueFull(FedLookaheadError):
+    """More than max_queue requests are waiting or running: this one is answered 503."""
+
+
+def one_line(text: str) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else "unknown error"
+
+
+# ------------------------------------------------------------------------------------------- heads
+
+
+@dataclass(frozen=True)
+class HeadsSnapshot:
+    """The heads one request decodes with; version None: no usable heads (plain decoding)."""
+
+    version: int | None
+    heads: DraftHeads | None
+
+
+def _stamp(directory: Path) -> tuple | None:
+    """What changes when the folder's heads change: its resolved target and its files' identities.
+
+    A symlink swap changes the target; a published copy replaced in place gets new inodes.
+    """
+    try:
+        files = [os.stat(directory / name) for name in (WEIGHTS_FILE, CONFIG_FILE)]
+    except OSError:
+        return None
+    return (os.path.realpath(directory), *((s.st_ino, s.st_mtime_ns, s.st_size) for s in files))
+
+
+class HeadsHolder:
+    """The newest heads in `directory`, swapped atomically: readers get whole snapshots, never a mix."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else None
+        self._snapshot = HeadsSnapshot(None, None)
+        self._seen: tuple | None = None
+
+    def current(self) -> HeadsSnapshot:
+        return self._snapshot  # one attribute read: atomic
+
+    def swap(self, heads: DraftHeads | None, version: int | None) -> HeadsSnapshot:
+        self._snapshot = HeadsSnapshot(version, heads)
+        return self._snapshot
+
+    def refresh(self, base: BaseModel) -> HeadsSnapshot:
+        """Load the folder's heads if they changed since the last look (a few stat calls otherwise).
+
+        Heads that do not load (damaged, or for another base) are logged and the current ones kept;
+        they are not retried until the folder changes again.
+        """
+        if self.directory is None:
+            return self._snapshot
+        stamp = _stamp(self.directory)
+        if stamp is None or stamp == self._seen:
+            return self._snapshot
+        self._seen = stamp
+        try:
+            heads = DraftHeads.load(self.directory, base).eval()
+        except FedLookaheadError as exc:
+            log.warning("new heads in %s not used: %s", self.directory, one_line(str(exc)))
+            return self._snapshot
+        meta = read_heads_meta(self.directory) or {}
+        version = int(meta.get("version", heads.config.version))
+        log.info("endpoint: heads version %s from %s", version, os.path.realpath(self.directory))
+        return self.swap(heads, version)
+
+
+# ------------------------------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    heads_version: int | None
+    result: GenerationResult
+
+    def usage(self) -> dict[str, Any]:
+        completion = len(self.result.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "tokens_per_s": round(self.result.tokens_per_s, 3), "tau": round(self.result.tau, 4),
+                "heads_version": self.heads_version, "mode": self.result.mode}
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """The text before the earliest stop string, and whether one was found."""
+    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(found)], True) if found else (text, False)
+
+
+class TextStream:
+    """Turns the growing token list into text deltas that are always prefixes of the final text."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], emit: Callable[[str], None]) -> None:
+        self.tokenizer, self.stop, self.emit = tokenizer, stop, emit
+        self.margin = max((len(s) for s in stop), default=1) - 1  # a stop string may be forming there
+        self.sent = ""
+
+    def update(self, tokens: list[int]) -> None:
+        text, stopped = cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), self.stop)
+        if not stopped:
+            text = text[: len(text) - self.margin].rstrip("\ufffd")  # U+FFFD: a character's bytes still coming
+        self._send(text)
+
+    def finish(self, final: str) -> None:
+        self._send(final)
+
+    def _send(self, text: str) -> None:
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text
+
+
+class StreamingStopper(Stopper):
+    """The decoders' Stopper that also reports every accepted step and ends the decode when cancelled."""
+
+    def __init__(self, *args: Any, on_tokens: Callable[[list[int]], None] | None,
+                 cancelled: threading.Event) -> None:
+        super().__init__(*args)
+        self.on_tokens, self.cancelled = on_tokens, cancelled
+
+    def admit(self, tokens: list[int], new: Sequence[int]) -> str | None:
+        reason = super().admit(tokens, new)
+        if self.on_tokens is not None:
+            self.on_tokens(tokens)
+        if reason is None and self.cancelled.is_set():
+            return "cancelled"
+        return reason
+
+
+def decode(base: BaseModel, ids: torch.Tensor, heads: DraftHeads | None, sampling: Sampling, stopper: Stopper,
+           policy: AmsPolicy) -> GenerationResult:
+    """common.decoding.generate's "ams" path (plain decoding without heads), with the caller's Stopper.
+
+    generate() builds its own Stopper, which is why the endpoint calls the decoders itself: its
+    StreamingStopper is what makes streaming incremental. `heads` come from DraftHeads.load for
+    this very base, so generate()'s fingerprint check and rebinding are already done.
+    """
+    temperature, top_p, seed = sampling.temperature, sampling.top_p, sampling.seed
+    tree_attention = getattr(base.model.config, "_attn_implementation", "eager") in TREE_ATTENTION
+    mode = "ams" if heads is not None and tree_attention else "greedy"
+    curve = cost_curve(base) if mode == "ams" and policy.cost_aware else None  # cached; outside the timer
+    generator = make_generator(base.device, seed)
+    with Timer(base.device) as timer:
+        if mode == "ams":
+            try:
+                tokens, forwards, reason, stats = ams_decode(
+                    base, ids, heads, policy, stopper, temperature, top_p, generator, curve,
+                    reproducible=temperature > 0 and seed is not None)
+            except UnsupportedCache:  # raised after the prefill, before any token is admitted
+                mode, generator = "greedy", make_generator(base.device, seed)
+        if mode == "greedy":
+            tokens, forwards, reason, stats = greedy_decode(base, ids, stopper, temperature, top_p, generator)
+    text = base.tokenizer.decode(tokens, skip_special_tokens=True)
+    return GenerationResult(tokens, text, forwards, timer.seconds, reason, mode, stats)
+
+
+Prompt = str | list[dict[str, str]]  # completion text, or chat messages
+Event = tuple[str, Any]  # ("start", heads_version) | ("delta", text) | ("done", Completion) | ("error", exc)
+
+
+def prompt_token_ids(base: BaseModel, prompt: Prompt) -> list[int]:
+    """Raw text as `fedla generate` tokenizes it; chat messages through the tokenizer's chat template."""
+    tokenizer = base.tokenizer
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise FedLookaheadError(f"the base's tokenizer ({base.path.name}) has no chat template: use /v1/completions")
+    try:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # jinja2 raises its own errors (e.g. a role the template refuses)
+        raise FedLookaheadError(f"the chat template refused these messages: {one_line(str(exc))}") from exc
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class Endpoint:
+    """The base, the heads holder and the single generation worker behind the HTTP routes."""
+
+    def __init__(self, base_dir: Path, heads_dir: Path | None, device: str = "auto",
+                 dtype: torch.dtype | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 policy: AmsPolicy | None = None) -> None:
+        self.base_dir = Path(base_dir).expanduser()
+        self.device, self.dtype, self.max_queue = device, dtype, max_queue
+        self.policy = policy or AmsPolicy()
+        self.heads = HeadsHolder(heads_dir)
+        self.base: BaseModel | None = None
+        self.model_name = self.base_dir.name or "base"
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedla-endpoint")
+        self._pending = 0
+        self._lock = threading.Lock()
+        try:
+            self.load()  # now, so that the first request does not pay for it
+        except BaseUnavailable as exc:
+            log.warning("endpoint: %s", exc)
+
+    def load(self) -> BaseModel:
+        """The base, loaded on first use; only ever called by the worker (or before it starts)."""
+        if self.base is None:
+            try:
+                self.base = load_base(self.base_dir, device=self.device, dtype=self.dtype)
+            except FedLookaheadError as exc:
+                raise BaseUnavailable(f"base model unavailable: {one_line(str(exc))}") from exc
+            self.heads.refresh(self.base)
+        return self.base
+
+    def submit(self, job: Callable[[], None]) -> Future:
+        """Queue a job behind the ones already waiting (FIFO); QueueFull past max_queue."""
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"the endpoint already has {self._pending} requests waiting or running: retry later")
+            self._pending += 1
+        future = self._executor.submit(job)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: Future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def complete(self, prompt: Prompt, sampling: Sampling, emit: Callable[[Event], None], stream: bool,
+                 cancelled: threading.Event) -> Completion:
+        """One request, start to end, in the worker thread; emits start (and, streaming, text deltas)."""
+        base = self.load()
+        ids = prompt_token_ids(base, prompt)
+        if not ids:
+            raise FedLookaheadError("the prompt is empty after tokenization")
+        check_sampling(sampling.temperature, sampling.top_p, sampling.max_tokens)
+        prompt_ids = check_prompt(base, ids)
+        snapshot = self.heads.refresh(base)  # between requests: the only place heads change
+        emit(("start", snapshot.version))
+        text_stream = TextStream(base.tokenizer, sampling.stop, lambda d: emit(("delta", d))) if stream else None
+        stopper = StreamingStopper(base, sampling.max_tokens, sampling.stop, True, base.max_positions - len(ids),
+                                   on_tokens=text_stream.update if text_stream else None, cancelled=cancelled)
+        result = decode(base, prompt_ids, snapshot.heads, sampling, stopper, self.policy)
+        text, stopped = cut_at_stop(result.text, sampling.stop)
+        if text_stream is not None:
+            text_stream.finish(text)
+        reason = "stop" if stopped else FINISH_REASONS.get(result.stop_reason, "stop")
+        return Completion(text, reason, len(ids), snapshot.version, result)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------- HTTP API
+
+
+class _Options(Schema):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use (user, logit_bias...) are accepted
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class CompletionRequest(_Options):
+    prompt: str | list[str]
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatRequest(_Options):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+
+
+def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": one_line(message), "type": kind, "code": code}}, status_code=status)
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, BaseUnavailable):
+        return _error(503, str(exc), "server_error", "base_unavailable")
+    if isinstance(exc, QueueFull):
+        return _error(503, str(exc), "server_error", "queue_full")
+    if isinstance(exc, FedLookaheadError):
+        return _error(400, str(exc), "invalid_request_error", "invalid_value")
+    log.error("endpoint: generation failed", exc_info=exc)
+    return _error(500, f"generation failed: {type(exc).__name__}: {one_line(str(exc))}", "server_error", "internal")
+
+
+def _sampling(request: _Options, max_tokens: int | None) -> Sampling:
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return Sampling(max_tokens or DEFAULT_MAX_TOKENS, request.temperature, request.top_p,
+                    tuple(s for s in stop if s), request.seed)
+
+
+def _message_text(message: ChatMessage) -> dict[str, str]:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) joined into the plain string templates expect."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise FedLookaheadError("only text content parts are supported")
+        content = "".join(part["text"] for part in content)
+    return {"role": message.role, "content": content}
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_endpoint_app(base_dir: Path, heads_dir: Path | None, *, device: str = "auto",
+                        dtype: torch.dtype | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                        policy: AmsPolicy | None = None) -> FastAPI:
+    """The endpoint's FastAPI app; `app.state.endpoint` is its Endpoint (base, heads holder, worker).
+
+    `heads_dir`: the folder to watch for the newest heads (None: plain decoding only). A missing
+    base directory does not fail here: requests get 503 until the base can be loaded.
+    """
+    endpoint = Endpoint(base_dir, heads_dir, device, dtype, max_queue, policy)
+    app = FastAPI(title="FedLookahead local endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.endpoint = endpoint
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid value')}", "invalid_request_error", "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", f"http_{exc.status_code}")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
+                                            "owned_by": "fedlookahead"}]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> JSONResponse | StreamingResponse:
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                return _error(400, "prompt: give one prompt string (n = 1 only)", "invalid_request_error",
+                              "invalid_value")
+            prompt = prompt[0]
+        if not prompt:
+            return _error(400, "prompt: empty prompt", "invalid_request_error", "invalid_value")
+        return await _answer(endpoint, prompt, _sampling(request, request.max_tokens), request.stream, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatRequest) -> JSONResponse | StreamingResponse:
+        try:
+            messages = [_message_text(m) for m in request.messages]
+        except FedLookaheadError as exc:
+            return _error_response(exc)
+        if not any(m["content"] for m in messages):
+            return _error(400, "messages: every message is empty", "invalid_request_error", "invalid_value")
+        sampling = _sampling(request, request.max_completion_tokens or request.max_tokens)
+        return await _answer(endpoint, messages, sampling, request.stream, chat=True)
+
+    return app
+
+
+async def _answer(endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream: bool,
+                  chat: bool) -> JSONResponse | StreamingResponse:
+    """Queue the request, then answer with one JSON body or an event stream once decoding has started."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def emit(event: Event) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def job() -> None:
+        try:
+            emit(("done", endpoint.complete(prompt, sampling, emit, stream, cancelled)))
+        except Exception as exc:  # every failure becomes the request's error response
+            emit(("error", exc))
+
+    try:
+        endpoint.submit(job)
+    except QueueFull as exc:
+        return _error_response(exc)
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": endpoint.model_name}
+    kind, value = await events.get()
+    if kind == "error":
+        return _error_response(value)
+    if not stream:
+        while kind != "done":
+            kind, value = await events.get()
+            if kind == "error":
+                return _error_response(value)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": value.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": value.text}
+        else:
+            choice.update(text=value.text, logprobs=None)
+        body = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": value.usage()}
+        return JSONResponse(body)
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            content = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": content, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]}
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if chat:
+                yield _sse(chunk(None, None, role=True))
+            while True:
+                kind, value = await events.get()
+                if kind == "delta":
+                    yield _sse(chunk(value, None))
+                elif kind == "done":
+                    yield _sse({**chunk(None, value.finish_reason), "usage": value.usage()})
+                    yield _sse("[DONE]")
+                    return
+                else:
+                    error = json.loads(_error_response(value).body)
+                    yield _sse(error)
+                    return
+        finally:
+            cancelled.set()  # a client gone mid-stream frees the worker at the next decoding step
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ----------------------------------------------------------------------------------- serving
+
+
+def check_loopback(host: str) -> None:
+    """Refuse any address other apps on the network could reach: the endpoint is for this device only."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise FedLookaheadError(f"the generation endpoint listens on loopback only (127.0.0.1 or ::1), not {host!r}")
+
+
+class EndpointServer:
+    """uvicorn serving an endpoint app in a background thread (for the daemon and tests)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        check_loopback(host)
+        self.app, self.host = app, host
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", ws="none",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="fedla-endpoint-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> EndpointServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise FedLookaheadError(f"the generation endpoint could not listen on {self.host}:"
+                                        f"{self.server.config.port} (port in use?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when asked for port 0)."""
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.app.state.endpoint.close()
+
+
+def start_endpoint(base_dir: Path, heads_dir: Path | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                   device: str = "auto", dtype: torch.dtype | None = None,
+                   max_queue: int = DEFAULT_MAX_QUEUE) -> EndpointServer:
+    """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
+    check_loopback(host)
+    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
+    return EndpointServer(app, host, port).start()
+
+
+def serve_endpoint(base_dir: Path, heads_dir: Path | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                   device: str = "auto", dtype: torch.dtype | None = None,
+                   max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    """Serve in the foreground until interrupted (a standalone command)."""
+    check_loopback(host)
+    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", ws="none",
+                    timeout_graceful_shutdown=5)
+    finally:
+        app.state.endpoint.close()

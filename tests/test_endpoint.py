@@ -1,0 +1,330 @@
+"""The device's local generation endpoint (client.endpoint), driven by a real HTTP client against uvicorn."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client.endpoint import EndpointServer, check_loopback, create_endpoint_app, serve_endpoint, start_endpoint
+from client.state import keep_global_heads
+from common.base import BaseModel, FedLookaheadError, load_base
+from common.cli import prompt_ids
+from common.decoding import generate
+from common.heads import DraftHeads
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "# sort a list\n"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models decode fastest on one thread on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_base_dir) -> Path:
+    """The tiny Llama with larger random weights (a fresh one only repeats a token) and a chat template."""
+    directory = tmp_path_factory.mktemp("endpoint-base")
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ref_base(base_dir) -> BaseModel:
+    return load_base(base_dir, device="cpu")
+
+
+def versioned_heads(base: BaseModel, version: int) -> DraftHeads:
+    heads = DraftHeads.fresh(base, 2)
+    heads.config.version = version
+    return heads
+
+
+def push_heads(state: Path, base: BaseModel, version: int) -> Path:
+    """Keep heads the way the ClientApp does when a round delivers them: a new folder, `latest` swapped."""
+    assert keep_global_heads(versioned_heads(base, version), {"state-dir": str(state)}, run_id=7, server_round=version)
+    return state / "heads" / "latest"
+
+
+@contextmanager
+def serving(base_dir: Path, heads_dir: Path | None, **options) -> Iterator[tuple[EndpointServer, httpx.Client]]:
+    server = EndpointServer(create_endpoint_app(base_dir, heads_dir, device="cpu", **options), port=0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield server, client
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, ref_base) -> Path:
+    return push_heads(tmp_path_factory.mktemp("endpoint-state"), ref_base, version=1)
+
+
+@pytest.fixture(scope="module")
+def client(base_dir, heads_dir) -> Iterator[httpx.Client]:
+    with serving(base_dir, heads_dir) as (_server, http):
+        yield http
+
+
+def reference(base: BaseModel, heads_dir: Path, prompt: str, chat: bool = False, **options):
+    heads = DraftHeads.load(heads_dir, base)
+    return generate(base, prompt_ids(base, prompt, chat), heads=heads, **{"max_new_tokens": MAX_TOKENS, **options})
+
+
+def streamed(http: httpx.Client, path: str, body: dict) -> tuple[str, list[dict]]:
+    """(concatenated text, chunks) of a streamed request; checks the SSE framing and the final [DONE]."""
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    choices = [chunk["choices"][0] for chunk in chunks]
+    pieces = [c["delta"].get("content", "") if "delta" in c else c["text"] for c in choices]
+    return "".join(pieces), chunks
+
+
+def check_usage(usage: dict, prompt_tokens: int, completion_tokens: int, heads_version: int) -> None:
+    assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == completion_tokens
+    assert usage["total_tokens"] == prompt_tokens + completion_tokens
+    assert usage["tokens_per_s"] > 0 and usage["tau"] >= 1.0
+    assert usage["heads_version"] == heads_version and usage["mode"] == "ams"
+
+
+def test_completion_equals_generate(client, ref_base, heads_dir):
+    expected = reference(ref_base, heads_dir, PROMPTS[0])
+    response = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "endpoint-base0"
+    choice = body["choices"][0]
+    assert choice["text"] == expected.text and choice["index"] == 0
+    assert choice["finish_reason"] == ("length" if expected.stop_reason == "max_new_tokens" else "stop")
+    check_usage(body["usage"], len(prompt_ids(ref_base, PROMPTS[0], False)), len(expected.tokens), heads_version=1)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["endpoint-base0"]
+
+
+def test_chat_completion_equals_generate(client, ref_base, heads_dir):
+    expected = reference(ref_base, heads_dir, PROMPTS[1], chat=True)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+    check_usage(body["usage"], len(prompt_ids(ref_base, PROMPTS[1], True)), len(expected.tokens), heads_version=1)
+    halves = [{"type": "text", "text": PROMPTS[1][:5]}, {"type": "text", "text": PROMPTS[1][5:]}]
+    parts = [{"role": "user", "content": halves}]
+    as_parts = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": MAX_TOKENS})
+    assert as_parts.json()["choices"][0]["message"]["content"] == expected.text
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streaming_concatenates_to_the_non_streamed_text(client, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": PROMPTS[2]}]} if chat else {"prompt": PROMPTS[2]}
+    body = {"max_tokens": 40, **prompt}
+    whole = client.post(path, json=body).json()
+    text, chunks = streamed(client, path, body)
+    expected = whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]
+    assert text == expected and text
+    with_text = [c for c in chunks if c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")]
+    assert len(with_text) > 2  # really streamed, not one chunk
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert final["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert len({c["id"] for c in chunks}) == 1
+    if chat:
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_stop_strings_and_seeded_sampling(client, ref_base, heads_dir):
+    full = reference(ref_base, heads_dir, PROMPTS[0], max_new_tokens=40).text
+    stop = full[10:13]
+    body = {"prompt": PROMPTS[0], "max_tokens": 40, "stop": [stop, "never-seen-stop"]}
+    response = client.post("/v1/completions", json=body).json()
+    assert response["choices"][0]["text"] == full[: full.find(stop)]
+    assert response["choices"][0]["finish_reason"] == "stop"
+    assert streamed(client, "/v1/completions", body)[0] == full[: full.find(stop)]
+
+    sampled = {"prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0.9, "top_p": 0.95, "seed": 5}
+    first, second = (client.post("/v1/completions", json=sampled).json()["choices"][0]["text"] for _ in range(2))
+    expected = reference(ref_base, heads_dir, PROMPTS[3], temperature=0.9, top_p=0.95, seed=5)
+    assert first == second == expected.text
+
+
+def test_concurrent_requests_are_queued_and_all_answered(client, ref_base, heads_dir):
+    expected = [reference(ref_base, heads_dir, prompt).text for prompt in PROMPTS]
+
+    def ask(prompt: str) -> httpx.Response:
+        return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS})
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        responses = list(pool.map(ask, PROMPTS))
+    assert [r.status_code for r in responses] == [200] * len(PROMPTS)
+    assert [r.json()["choices"][0]["text"] for r in responses] == expected
+
+
+class ForwardGate:
+    """Blocks the server's base at its n-th forward until released: a request held in flight."""
+
+    def __init__(self, base: BaseModel, at: int) -> None:
+        self.at, self.calls = at, 0
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.handle = base.model.base_model.register_forward_hook(self._hook)
+
+    def _hook(self, *_args: object) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            self.reached.set()
+            assert self.release.wait(60)
+
+
+def test_heads_swap_during_a_stream(base_dir, ref_base, tmp_path):
+    heads_dir = push_heads(tmp_path / "state", ref_base, version=1)
+    body = {"prompt": PROMPTS[0], "max_tokens": 40}
+    expected = reference(ref_base, heads_dir, PROMPTS[0], max_new_tokens=40).text
+    with serving(base_dir, heads_dir) as (server, http):
+        gate = ForwardGate(server.app.state.endpoint.base, at=3)  # prefill, one step, then held
+        results: dict[str, object] = {}
+        in_flight = threading.Thread(target=lambda: results.update(old=streamed(http, "/v1/completions", body)))
+        in_flight.start()
+        assert gate.reached.wait(60)
+        push_heads(tmp_path / "state", ref_base, version=2)  # a round delivers new heads mid-stream
+        after = threading.Thread(target=lambda: results.update(new=http.post("/v1/completions", json=body)))
+        after.start()
+        gate.release.set()
+        in_flight.join(60)
+        after.join(60)
+        gate.handle.remove()
+    old_text, old_chunks = results["old"]
+    assert old_text == expected and old_chunks[-1]["usage"]["heads_version"] == 1
+    assert gate.calls > gate.at  # the stream went on decoding after the swap, with its own snapshot
+    new = results["new"].json()
+    assert new["usage"]["heads_version"] == 2 and new["choices"][0]["text"] == expected
+
+
+def test_a_client_gone_mid_stream_frees_the_worker(base_dir, ref_base, heads_dir):
+    full = reference(ref_base, heads_dir, PROMPTS[3], max_new_tokens=200)
+    assert full.base_forwards > 20
+    with serving(base_dir, heads_dir) as (server, http):
+        gate = ForwardGate(server.app.state.endpoint.base, at=3)
+        body = {"prompt": PROMPTS[3], "max_tokens": 200, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200 and gate.reached.wait(60)
+        gate.release.set()  # the connection is closed: the decode ends at its next step
+        assert http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1}).status_code == 200
+        gate.handle.remove()
+    assert gate.calls - 1 < full.base_forwards // 2  # the queued request only prefilled (one forward)
+
+
+def test_queue_over_its_limit_is_answered_503(base_dir, heads_dir):
+    with serving(base_dir, heads_dir, max_queue=1) as (server, http):
+        gate = ForwardGate(server.app.state.endpoint.base, at=2)
+        body = {"prompt": PROMPTS[0], "max_tokens": 8}
+        held = threading.Thread(target=lambda: http.post("/v1/completions", json=body))
+        held.start()
+        assert gate.reached.wait(60)
+        refused = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8})
+        gate.release.set()
+        held.join(60)
+        gate.handle.remove()
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+        assert http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8}).status_code == 200
+
+
+def test_missing_base_is_a_clear_503_until_it_appears(base_dir, tmp_path):
+    missing = tmp_path / "no-base-here"
+    with serving(missing, None) as (_server, http):
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            response = http.post(path, json=body)
+            assert response.status_code == 503
+            error = response.json()["error"]
+            assert error["code"] == "base_unavailable" and error["type"] == "server_error"
+            assert error["message"] == f"base model unavailable: base model directory not found: {missing}"
+        shutil.copytree(base_dir, missing)  # the base is copied in later: the next request loads it
+        response = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
+        assert response.status_code == 200 and response.json()["usage"]["mode"] == "greedy"
+        assert response.json()["usage"]["heads_version"] is None
+
+
+def test_only_loopback_hosts_are_served(base_dir, tmp_path):
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        check_loopback(host)
+    for host in ("0.0.0.0", "::", "192.168.1.20", "example.com", ""):
+        with pytest.raises(FedLookaheadError, match="loopback only"):
+            check_loopback(host)
+    never_loaded = tmp_path / "never-loaded"  # the host is refused before any base is looked for
+    with pytest.raises(FedLookaheadError, match=r"loopback only \(127.0.0.1 or ::1\), not '0.0.0.0'"):
+        serve_endpoint(never_loaded, None, host="0.0.0.0", port=0)
+    with pytest.raises(FedLookaheadError, match="loopback only"):
+        start_endpoint(never_loaded, None, host="10.0.0.1", port=0)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt: empty prompt"),
+        ("/v1/completions", {}, "prompt: Field required"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens: Input should be a valid integer"),
+        ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature: Input should be greater than or equal"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n: Input should be less than or equal to 1"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "give one prompt string"),
+        ("/v1/completions", {"prompt": "x " * 600}, "but the base's context is 512"),
+        ("/v1/chat/completions", {"messages": []}, "messages: List should have at least 1 item"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "every message is empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "only text content parts are supported"),
+    ],
+)
+def test_bad_input_is_a_one_line_400(client, path, body, fragment):
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and "\n" not in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+
+
+def test_malformed_json_and_missing_chat_template(client, tiny_base_dir):
+    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON decode error" in response.json()["error"]["message"]
+    missing = client.get("/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    with serving(tiny_base_dir, None) as (_server, http):
+        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"].endswith("has no chat template: use /v1/completions")
