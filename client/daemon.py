@@ -88,6 +88,7 @@ class DaemonOptions:
     refused_patience: float = 75.0  # seconds of refused activations before calling the key unregistered
     runtime_port: int = 0  # the SuperNode's local runtime API port (0: a free one)
     node_config: str = ""  # extra `k=v ...` node config (any FedConfig client-side key)
+    serve_port: int = 0  # > 0: also serve the local OpenAI-compatible endpoint on 127.0.0.1:PORT
     extra: dict = field(default_factory=dict)
 
 
@@ -507,7 +508,19 @@ class ClientDaemon:
             self.emit(f"node public key (register it on the server): {info['public_key']}")
         failures, failing_since, refused_since = 0, None, None
         self._write_status("starting", node_config=values, command=cmd)
+        endpoint = None
         try:
+            if opts.serve_port:  # apps on this device generate with the newest heads the rounds deliver
+                from client.endpoint import start_endpoint
+                from common.default_model import resolve_base
+
+                try:
+                    endpoint = start_endpoint(resolve_base(opts.base), self.state_dir / "heads" / "latest",
+                                              port=opts.serve_port, device=opts.device)
+                except FedLookaheadError as exc:
+                    raise DaemonError(f"local generation endpoint: {exc}") from None
+                self.emit(f"local generation endpoint on {endpoint.url} (OpenAI-compatible /v1/completions, "
+                          "/v1/chat/completions)")
             while not self.stopping.is_set():
                 reader = self._start(cmd)
                 process = self.tree.process
@@ -566,6 +579,8 @@ class ClientDaemon:
                     self._write_status("waiting", failures=failures)
                 self.stopping.wait(delay)
         finally:
+            if endpoint is not None:
+                endpoint.stop()
             if self.tree is not None:
                 self.tree.terminate(grace=10)
             rounds.poll()

@@ -383,6 +383,8 @@ def client_cmd(
                                            "(a node still marked online after a crash is refused for up to 60 s)."),
     runtime_port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0: a free one)."),
     node_config: str = typer.Option("", help="Extra node config `k=v ...` (client-side run-config keys)."),
+    serve_port: int = typer.Option(0, min=0, max=65535, help="Also serve the local OpenAI-compatible generation "
+                                   "endpoint on 127.0.0.1:PORT, with the newest global heads (0: off)."),
 ) -> None:
     """Long-running device daemon: a Flower SuperNode running the FedLookahead ClientApp."""
     if ctx.invoked_subcommand is not None:
@@ -397,8 +399,34 @@ def client_cmd(
                          heads_dir=heads_dir, publish_heads=not no_publish, insecure=insecure,
                          max_retries=max_retries, max_wait_time=max_wait_time, restarts=restarts,
                          refused_patience=refused_patience,
-                         runtime_port=runtime_port, node_config=node_config)
+                         runtime_port=runtime_port, node_config=node_config, serve_port=serve_port)
     raise typer.Exit(code=run_daemon(opts))
+
+
+@client_group.command("serve")
+def client_serve_cmd(
+    base: Optional[str] = typer.Option(None, help=BASE_HELP),
+    heads: Optional[Path] = typer.Option(None, help="Heads folder to watch (default: <state-dir>/heads/latest)."),
+    state_dir: Optional[Path] = typer.Option(None, help="The device's state folder (default: <cache>/client)."),
+    host: str = typer.Option("127.0.0.1", help="Loopback only: the endpoint is for apps on this device."),
+    port: int = typer.Option(8765, min=1, max=65535),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    max_queue: int = typer.Option(64, min=1, help="Requests waiting or running beyond this are answered 503."),
+) -> None:
+    """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
+    with the newest global heads, swapped between requests when a round delivers new ones."""
+    from client.endpoint import serve_endpoint
+    from client.state import default_state_dir
+    from common.default_model import resolve_base
+
+    if dtype not in DTYPES:
+        fail(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
+    try:
+        serve_endpoint(resolve_base(base), heads or (state_dir or default_state_dir()) / "heads" / "latest",
+                       host=host, port=port, device=device, dtype=DTYPES[dtype], max_queue=max_queue)
+    except FedLookaheadError as exc:
+        fail(str(exc))
 
 
 @client_group.command("reset-ledger")

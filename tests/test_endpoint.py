@@ -328,3 +328,13 @@ def test_malformed_json_and_missing_chat_template(client, tiny_base_dir):
         response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 400
         assert response.json()["error"]["message"].endswith("has no chat template: use /v1/completions")
+
+
+def test_cli_serve_refuses_other_hosts_and_bad_dtypes(tiny_base_dir):
+    from typer.testing import CliRunner
+
+    from common.cli import app
+
+    for extra, message in ((["--host", "0.0.0.0"], "loopback only"), (["--dtype", "int3"], "unknown --dtype")):
+        result = CliRunner().invoke(app, ["client", "serve", "--base", str(tiny_base_dir), *extra])
+        assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and message in result.output
