@@ -35,7 +35,7 @@ from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy, generate
 from common.default_model import ensure_default_base
 from common.draft_vocab import build_draft_vocab
-from common.features import Features, base_features, compute_features
+from common.features import Features, base_features, compute_features, extractor_for
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.training import evaluate_heads, feature_loader, train_epoch, train_heads
@@ -107,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"base": str(base.path), "train_chunks": len(chunks), "minutes_per_variant": args.minutes}
     results["uncached_full_vocab_parallel"] = {"train_tokens_per_s": round(uncached_rate(base, chunks), 1)}
+    sample = chunks[:32]
     started = time.perf_counter()
-    features = base_features(base, chunks, progress=True)
+    compute_features(extractor_for(base), sample, progress=False)  # uncached, in the dtype training uses
+    results["feature_tokens_per_s"] = round(sample.numel() / (time.perf_counter() - started), 1)
+    features = base_features(base, chunks, progress=True)  # once per chunk; later runs read the cache
     heldout_features = base_features(base, heldout, progress=True)
-    results["feature_tokens_per_s"] = round(chunks.numel() / (time.perf_counter() - started), 1)
-    vocabs = {size: build_draft_vocab(base, features, size) for size in {0, 4096, 8192}}
+    vocabs = {size: build_draft_vocab(base, features, size) for size in (4096, 8192)}
 
     def measure(name: str, heads: DraftHeads, rate: float) -> None:
         accuracy = evaluate_heads(heads, heldout_features)["head_accuracy"]
