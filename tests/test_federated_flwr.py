@@ -14,7 +14,8 @@ import pytest
 from common.data import stdlib_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
-from simulations.superlink import LocalSuperLink, _alive  # noqa: E402
+from common.procs import alive  # noqa: E402
+from simulations.superlink import LocalSuperLink  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None,
                                 reason="flower-superlink is not installed in this environment")
@@ -37,7 +38,7 @@ def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeyp
     log = (tmp_path / "flwr-run.log").read_text()
     assert code == 0, log[-3000:]
     # everything this test started is gone: SuperLink, SuperExec, simulation, Ray workers
-    assert not [pid for pid in started if _alive(pid)]
+    assert not [pid for pid in started if alive(pid)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
     summary = json.loads((tmp_path / "runs" / "flwr-e2e" / "summary.json").read_text())
