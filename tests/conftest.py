@@ -29,6 +29,15 @@ def private_fedla_home(tmp_path_factory):
         os.environ["FEDLA_HOME"] = previous
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models decode fastest on one thread, and far faster than two on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     texts = [t for t in map(read_text, stdlib_files("train")[:40]) if t]

@@ -55,13 +55,7 @@ CURVES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode fastest on one thread, and far faster than two on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def hf_greedy(base: BaseModel, ids: list[int], max_new_tokens: int) -> list[int]:
