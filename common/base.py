@@ -149,3 +149,16 @@ def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None 
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path)
+
+
+def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:
+    """Token ids of a raw completion prompt, or of one user turn in the tokenizer's chat template."""
+    tokenizer = model.tokenizer
+    if not chat:
+        return torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if not getattr(tokenizer, "chat_template", None):
+        raise FedLookaheadError(f"--chat needs a chat template, and the tokenizer in {model.path} has none")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import typer
 
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, FedLookaheadError, load_base, prompt_ids
 from common.training import DEFAULT_DRAFT_VOCAB
 
 # Tracebacks never print local variables: they would show dashboard tokens and database passwords.
@@ -153,19 +153,6 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
     for warning in caught:
         typer.echo(f"warning: {warning.message}", err=True)
     return loaded
-
-
-def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:
-    """Token ids of a raw completion prompt, or of one user turn in the tokenizer's chat template."""
-    tokenizer = model.tokenizer
-    if not chat:
-        return torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    if not getattr(tokenizer, "chat_template", None):
-        raise FedLookaheadError(f"--chat needs a chat template, and the tokenizer in {model.path} has none")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
 
 
 @app.command("generate")

@@ -9,7 +9,7 @@
    SuperLink, starting from those heads: Flower ClientApps fine-tune them with Opacus DP-SGD, the
    ServerApp aggregates with SecAgg+ and pushes them back every round; the run is written to
    runs/<run-id>/ and runs/fedla.db,
-4. completes held-out code with AMS-LD and the federated heads,
+4. answers a coding request (chat template) with AMS-LD and the federated heads,
 5. measures, side by side in one process, AMS-LD against transformers' greedy `generate` (and its
    prompt lookup) on held-out prompts and prints the speedup, and
 6. says how to open the aggregation dashboard on that run.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common.base import load_base
+from common.base import load_base, prompt_ids
 from common.bench import decode_benchmark, format_table
 from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.decoding import generate
@@ -37,7 +37,7 @@ from simulations import run as scenario_runner
 REPO = Path(__file__).resolve().parents[1]
 NUM_HEADS = 4
 CHUNK_LEN = 128
-COMPLETION_PROMPT = 'def is_palindrome(text: str) -> bool:\n    """True if text reads the same backwards, ignoring case and spaces."""\n'
+CHAT_PROMPT = "Write a Python function is_palindrome(text) that ignores case and spaces."
 PUBLIC_CHUNKS = 640  # public training chunks (82k tokens): base features for them take ~1.5 min on 2 cores
 
 
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     heads = DraftHeads.load(checkpoint, base)
     print(f"global heads v{heads.config.version} from {checkpoint}")
 
-    print("\n== 4/6 AMS-LD code completion with the federated heads", flush=True)
-    ids = torch.tensor(base.tokenizer(COMPLETION_PROMPT, add_special_tokens=False)["input_ids"])
+    print("\n== 4/6 AMS-LD generation with the federated heads (the instruct model's chat template)", flush=True)
+    ids = prompt_ids(base, CHAT_PROMPT, chat=True)
     result = generate(base, ids, mode="ams", heads=heads, max_new_tokens=args.max_new_tokens)
-    print(COMPLETION_PROMPT + "\033[1m" + result.text + "\033[0m")
+    print(f"user: {CHAT_PROMPT}\nassistant: \033[1m{result.text}\033[0m")
     print(f"[{len(result.tokens)} tokens, {result.tokens_per_s:.0f} tokens/s, tau {result.tau:.2f}, "
           f"stop: {result.stop_reason}]")
 

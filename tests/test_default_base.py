@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from common import default_model
-from common.base import FedLookaheadError, load_base
-from common.cli import app, prompt_ids
+from common.base import FedLookaheadError, load_base, prompt_ids
+from common.cli import app
 from common.default_model import SMOLLM2, resolve_base
 
 CHAT_TEMPLATE = (
