@@ -38,3 +38,14 @@ def coverage(draft_vocab: list[int], features: Features) -> float:
     ids = torch.tensor([t for t in draft_vocab if t < len(inside)], dtype=torch.long)
     inside[ids] = True
     return float(inside[features.greedy.flatten()].float().mean()) if features.greedy.numel() else 1.0
+
+
+def public_draft_vocab(base: BaseModel, size: int, chunks: int = 256, chunk_len: int = 128, seed: int = 0) -> list[int]:
+    """The draft vocabulary from a seeded sample of public code (the stdlib train split), for heads that
+    start without one (a federation with no init-heads): every client gets the same public table."""
+    from common.data import chunk_files, stdlib_files
+    from common.features import base_features
+
+    public = chunk_files(stdlib_files("train"), base.tokenizer, chunk_len)
+    sample = public[torch.randperm(len(public), generator=torch.Generator().manual_seed(seed))[:chunks]]
+    return build_draft_vocab(base, base_features(base, sample), size)

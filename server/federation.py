@@ -79,6 +79,7 @@ from flwr.serverapp.grid import Grid
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.default_model import ensure_default_base
+from common.draft_vocab import public_draft_vocab
 from common.features import base_features
 from common.fedconfig import FedConfig, secagg_shares_and_threshold
 from common.fedeval import decode_tau
@@ -104,7 +105,7 @@ from common.protocol import (
     ReplyError,
     TrainReply,
 )
-from common.training import evaluate_heads
+from common.training import DEFAULT_DRAFT_VOCAB, evaluate_heads
 
 log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
@@ -611,7 +612,11 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
     else:
         run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
         run_dir = run_root / run_id
-        heads = DraftHeads.load(config.init_heads, base) if config.init_heads else DraftHeads.fresh(base, config.num_heads)
+        if config.init_heads:
+            heads = DraftHeads.load(config.init_heads, base)
+        else:  # fresh heads still score only a public draft vocabulary: the full LM head makes DP training ~6x slower
+            heads = DraftHeads.fresh(base, config.num_heads,
+                                     draft_vocab=public_draft_vocab(base, DEFAULT_DRAFT_VOCAB, seed=config.seed))
         if heads.num_heads != config.num_heads:
             raise FedLookaheadError(f"init-heads has {heads.num_heads} heads but num-heads is {config.num_heads}")
     (run_dir / "rounds").mkdir(parents=True, exist_ok=True)

@@ -238,3 +238,13 @@ def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):
     for command in (["generate", "--prompt", "x"], ["bench-decode"]):
         result = CliRunner().invoke(app, [*command, "--base", str(tiny_base_dir), "--dtype", "int4", "--device", "cpu"])
         assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and "unknown --dtype" in result.output
+
+
+def test_public_draft_vocab_is_seeded_public_and_keeps_eos(tiny_base):
+    from common.decoding.core import eos_ids
+    from common.draft_vocab import public_draft_vocab
+
+    vocab = public_draft_vocab(tiny_base, 64, chunks=8, chunk_len=32)
+    assert len(vocab) == len(set(vocab)) == 64 and vocab == sorted(vocab)
+    assert eos_ids(tiny_base) <= set(vocab) and vocab == public_draft_vocab(tiny_base, 64, chunks=8, chunk_len=32)
+    assert public_draft_vocab(tiny_base, tiny_base.vocab_size, chunks=8, chunk_len=32) == []  # whole vocabulary
