@@ -71,14 +71,10 @@ def bootstrap(
     force: bool = typer.Option(False, help="Convert / rebuild even if it exists."),
 ) -> None:
     """Prepare an embedded base model once; the last line printed is its directory."""
-    from common.default_model import NAMED_BASES, build_toy_base, convert_smollm2, default_base_dir, toy_base_dir
+    from common.default_model import ensure_named_base
 
-    if base not in NAMED_BASES:
-        fail(f"unknown embedded base {base!r}: use {' or '.join(NAMED_BASES)}")
-    target = default_base_dir() if base == "smollm2" else toy_base_dir()
     try:
-        if force or not (target / "config.json").is_file():
-            convert_smollm2(target) if base == "smollm2" else build_toy_base(target)
+        target = ensure_named_base(base, force=force)
     except FedLookaheadError as exc:
         fail(str(exc))
     report = target / "fedla_build.json"

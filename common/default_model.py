@@ -222,21 +222,22 @@ def build_toy_base(out: Path | None = None, steps: int | None = None) -> Path:
     return out
 
 
-def ensure_named_base(name: str = DEFAULT_BASE) -> Path:
-    """The directory of a named embedded base (`smollm2` or `toy`), built on first use."""
-    if name == "smollm2":
-        out = default_base_dir()
-        if not (out / "config.json").is_file():
-            log.warning("no default base in %s yet: converting SmolLM2-135M-Instruct from the wheel (once)", out)
-            convert_smollm2(out)
-        return out
-    if name == "toy":
-        out = toy_base_dir()
-        if not (out / "config.json").is_file():
-            log.warning("no toy base in %s yet: building it (a few minutes, once)", out)
-            build_toy_base(out)
-        return out
-    raise FedLookaheadError(f"unknown named base {name!r}: use smollm2 or toy, or a model directory")
+def ensure_named_base(name: str = DEFAULT_BASE, force: bool = False) -> Path:
+    """The directory of a named embedded base (`smollm2` or `toy`), built on first use (or anew with `force`)."""
+    recipes = {  # name -> (folder, builder, what building it means)
+        "smollm2": (default_base_dir, convert_smollm2, "converting SmolLM2-135M-Instruct from the wheel (once)"),
+        "toy": (toy_base_dir, build_toy_base, "building it (a few minutes, once)"),
+    }
+    if name not in recipes:
+        raise FedLookaheadError(f"unknown named base {name!r}: use {' or '.join(NAMED_BASES)}")
+    folder, build, what = recipes[name]
+    out = folder()
+    if not (out / "config.json").is_file():
+        log.warning("no %s base in %s yet: %s", name, out, what)
+        build(out)
+    elif force:
+        build(out)
+    return out
 
 
 def ensure_default_base() -> Path:
