@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common.base import BaseModel
+from common.distill import greedy_continuations
 from common.draft_vocab import build_draft_vocab, coverage
 from common.features import Features, base_features, fast_feature_dtype
 from common.heads import DraftHeads
@@ -183,10 +184,22 @@ def fit_heads(
     max_seconds: float = math.inf,
     seed: int = 0,
     show_progress: bool = True,
+    distill_chunks: int = 0,
 ) -> tuple[DraftHeads, dict]:
     """Fresh heads trained centrally (non-private) on public `chunks`; a report with held-out accuracy
     and the cost of each stage. The base's features are cached, and the draft vocabulary is built from
-    the same public chunks (draft_vocab_size 0: the whole vocabulary)."""
+    the same public chunks (draft_vocab_size 0: the whole vocabulary).
+
+    `distill_chunks` > 0 adds that many self-distilled chunks: the first half of a public chunk
+    followed by the base's own greedy continuation (common/distill.py).
+    """
+    started = time.perf_counter()
+    if distill_chunks:
+        prompts = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed))[:distill_chunks]]
+        half = chunks.shape[1] // 2
+        chunks = torch.cat([chunks, greedy_continuations(base, prompts[:, :half], chunks.shape[1] - half,
+                                                         progress=show_progress)])
+    distill_seconds = time.perf_counter() - started
     started = time.perf_counter()
     features = base_features(base, chunks, progress=show_progress)
     heldout_features = base_features(base, heldout, progress=show_progress)
@@ -206,6 +219,8 @@ def fit_heads(
         "draft_vocab": heads.config.draft_size,
         "draft_vocab_coverage_heldout": round(coverage(draft_vocab, heldout_features), 4),
         "train_chunks": len(features),
+        "distill_chunks": min(distill_chunks, len(features)),
+        "distill_seconds": round(distill_seconds, 1),
         "chunk_len": int(chunks.shape[1]),
         "feature_dtype": str(fast_feature_dtype(base.device)).removeprefix("torch."),
         "feature_seconds": round(feature_seconds, 1),

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from common.base import BaseModel
+from common.decoding.core import cache_kwarg
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_PAST = 256  # cached tokens before the timed forward (a typical prompt plus some output)
@@ -98,7 +99,8 @@ def measure_cost_curve(
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, base.vocab_size, (1, past), generator=generator).to(base.device)
     cache = DynamicCache(config=base.model.config)
-    body(input_ids=prefix, past_key_values=cache, use_cache=True)
+    cache_kw = cache_kwarg(body)
+    body(input_ids=prefix, **{cache_kw: cache}, use_cache=True)
     steps, heads = [], []
     for n in sizes:
         new = torch.randint(0, base.vocab_size, (1, n), generator=generator).to(base.device)
@@ -106,7 +108,7 @@ def measure_cost_curve(
         rows = torch.randn(n, base.hidden_size, generator=generator).to(base.device, base.dtype)
 
         def step(new: torch.Tensor = new, positions: torch.Tensor = positions, n: int = n) -> None:
-            body(input_ids=new, past_key_values=cache, position_ids=positions, use_cache=True)
+            body(input_ids=new, **{cache_kw: cache}, position_ids=positions, use_cache=True)
             cache.crop(-n)  # every repeat sees the same `past` cached tokens
 
         steps.append(step)

@@ -173,6 +173,12 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The keyword that passes a KV cache to `module.forward`: `cache` in newer transformers, which
+    deprecates `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 class BaseRunner:
     """The base model's body + LM head driven directly with a DynamicCache (no `generate` machinery)."""
 
@@ -180,8 +186,7 @@ class BaseRunner:
         self.base = base
         self.body = base.model.base_model
         self.lm_head = base.model.get_output_embeddings()
-        params = inspect.signature(self.body.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_kwarg(self.body)
         self.cache = DynamicCache(config=base.model.config)
 
     @property
