@@ -1,0 +1,56 @@
+"""What the commands of every side share: the one-line error exit, the base and dtype options.
+
+A module of its own so that `client.cli` and `server.cli` can import it while `common.cli` is still
+loading their plug-ins (importing `common.cli` from them would be circular).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import torch
+import typer
+
+from common.base import BaseModel, FedLookaheadError, load_base
+
+
+def fail(message: str) -> NoReturn:
+    """Print a one-line error and exit non-zero."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_HELP = ("auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
+              "weights, and losslessness is judged against the base in that dtype.")
+BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
+
+
+def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
+    """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
+    from common.default_model import resolve_base
+
+    if dtype not in DTYPES:
+        raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
+    return load_base(resolve_base(base), device=device, dtype=DTYPES[dtype])
+
+
+def check_output_path(path: Path, kind: str) -> None:
+    """Fail before the work starts when its output could not be written."""
+    if kind == "dir" and path.exists() and not path.is_dir():
+        fail(f"--out {path} exists and is not a directory")
+    if kind == "file" and path.is_dir():
+        fail(f"--json {path} is a directory, not a file")
+    parent = path.parent if kind == "file" or not path.exists() else path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        fail(f"cannot write {path}: {parent} is not a writable directory")
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the daemons this process started are stopped by pid."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
