@@ -15,12 +15,13 @@ with a MetricRecord.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import flwr.compat.common.recorddict_compat as compat
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
-from flwr.client.mod import secaggplus_mod
+from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
@@ -50,6 +51,17 @@ def secaggplus_when_needed(msg: Message, context: Context, call_next):
     """`secaggplus_mod` for SecAgg+ stage messages; plain FedAvg train messages go straight through."""
     if msg.metadata.message_type == MessageType.TRAIN and RECORD_KEY_CONFIGS in msg.content.config_records:
         return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def fixedclipping_when_asked(msg: Message, context: Context, call_next):
+    """Flower's `fixedclipping_mod` (user-level DP, server/user_dp.py) when the server sent a clipping
+    norm; inside SecAgg+, so the update is clipped before it is masked (issue 12)."""
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    if msg.metadata.message_type == MessageType.TRAIN and KEY_CLIPPING_NORM in compat.recorddict_to_fitins(
+            msg.content, keep_input=True).config:
+        return fixedclipping_mod(msg, context, call_next)
     return call_next(msg, context)
 
 
@@ -83,6 +95,9 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     run_key = str(fit_config.get(RUN_KEY, context.run_id))
     features = client_features(config, base, data.train, dict(context.node_config))
     floor = DeviceFloor.from_node_config(context.node_config)
+    user_level = floor is None and config.dp and config.dp_level == "user"  # a device keeps its own DP-SGD
+    if user_level:  # issue 12: no noise here; fixedclipping_mod clips the update, the server noises the mean
+        config = replace(config, dp=False)
     if floor is not None:  # a device: its own ledger and lifetime budget
         result = device_round(heads, features, config, floor, run_key)
     else:  # a simulated client: the run config governs
@@ -116,6 +131,8 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
             metrics[f"acc-{k}"] = float(acc)
     # SecAgg+ weight: capped so weight / max_weight <= 1 (beyond, the masked sum would overflow)
     weight = 0 if result.skipped else min(len(data.train), int(config.secagg_max_weight))
+    if user_level:  # every client weighs the same: one client moves the mean by at most clip / n
+        weight = int(min(config.secagg_max_weight, config.max_chunks_per_client or config.secagg_max_weight))
     device_state.train_finished(context, fit_config, metrics, weight)
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
 
@@ -123,7 +140,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
 app = ClientApp()
 
 
-@app.train(mods=[secaggplus_when_needed])
+@app.train(mods=[secaggplus_when_needed, fixedclipping_when_asked])
 def train(msg: Message, context: Context) -> Message:
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)

@@ -368,6 +368,14 @@ def _sigma(target_epsilon: float, delta: float, q: float, steps: int) -> float:
                                           steps=steps, accountant="rdp"))
 
 
+def trainable_parameters(heads: DraftHeads, which: str = "all") -> list[torch.nn.Parameter]:
+    """The head parameters a round trains (`dp-trainable`: all | fusion | blocks); the rest stay frozen,
+    so under DP-SGD the same noise is spread over fewer coordinates (issue 12)."""
+    for name, parameter in heads.named_parameters():
+        parameter.requires_grad_(which == "all" or name.startswith(which))
+    return [p for p in heads.parameters() if p.requires_grad]
+
+
 @dataclass
 class RoundResult:
     metrics: HeadMetrics | None
@@ -392,8 +400,9 @@ def train_round(heads: DraftHeads, features: Features, config: FedConfig, state:
     """
     started = time.perf_counter()
     q, steps = plan(config, len(features))
+    trainable = trainable_parameters(heads, config.dp_trainable)
     if not config.dp:
-        optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr)
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr)
         metrics = HeadMetrics(heads.num_heads)
         for epoch in range(config.local_epochs):
             loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
@@ -430,7 +439,7 @@ def train_round(heads: DraftHeads, features: Features, config: FedConfig, state:
 
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(state.history)  # continue the run's accountant, not a fresh one
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr)  # the heads only: the base is frozen
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr)  # the heads only: the base is frozen
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message=".*full_backward_hook.*")

@@ -40,6 +40,12 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "dp-noise-multiplier": 0.0,  # > 0: use this sigma instead of calibrating one to dp-target-epsilon
     "dp-max-grad-norm": 1.0,
     "dp-planned-rounds": 0,  # rounds a client plans to take part in (sigma calibration); 0: num-server-rounds
+    "dp-level": "example",  # example: Opacus DP-SGD per chunk | user: clipped client updates + server noise
+    "dp-user-clip": 0.1,  # dp-level=user: L2 bound of one client's update per round
+    "dp-trainable": "all",  # head parameters clients train: all | fusion | blocks
+    "server-optimizer": "fedavg",  # fedavg | fedavgm | fedadam over the mean update (server/server_optimizer.py)
+    "server-lr": 1.0,
+    "server-momentum": 0.9,
     # secure aggregation (Flower SecAgg+)
     "secagg": True,
     "secagg-num-shares": 1.0,  # float: share of the sampled clients; int > 2: a count
@@ -72,6 +78,9 @@ DEFAULTS: dict[str, bool | int | float | str] = {
 }
 
 PARTITIONINGS = ("iid", "dirichlet", "package")
+DP_LEVELS = ("example", "user")
+DP_TRAINABLE = ("all", "fusion", "blocks")
+SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,12 @@ class FedConfig:
     dp_noise_multiplier: float
     dp_max_grad_norm: float
     dp_planned_rounds: int
+    dp_level: str
+    dp_user_clip: float
+    dp_trainable: str
+    server_optimizer: str
+    server_lr: float
+    server_momentum: float
     secagg: bool
     secagg_num_shares: int | float
     secagg_reconstruction_threshold: int | float
@@ -183,6 +198,14 @@ class FedConfig:
                 raise FedLookaheadError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
             if self.dp_noise_multiplier <= 0 and not self.dp_target_epsilon > 0:
                 raise FedLookaheadError("set dp-target-epsilon > 0 or dp-noise-multiplier > 0 (or dp=false)")
+        for key, value, allowed in (("dp-level", self.dp_level, DP_LEVELS), ("dp-trainable", self.dp_trainable, DP_TRAINABLE),
+                                    ("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)):
+            if value not in allowed:
+                raise FedLookaheadError(f"unknown {key} {value!r}: use one of {allowed}")
+        if self.dp and self.dp_level == "user" and not self.dp_user_clip > 0:
+            raise FedLookaheadError(f"dp-user-clip must be positive, got {self.dp_user_clip}")
+        if not self.server_lr > 0 or not 0 <= self.server_momentum < 1:
+            raise FedLookaheadError("server-lr must be positive and server-momentum in [0, 1)")
         if self.partitioning not in PARTITIONINGS:
             raise FedLookaheadError(f"unknown partitioning {self.partitioning!r}: use one of {PARTITIONINGS}")
         if self.secagg:

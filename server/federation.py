@@ -106,6 +106,7 @@ from common.protocol import (
     TrainReply,
 )
 from common.training import DEFAULT_DRAFT_VOCAB, evaluate_heads
+from server import server_optimizer
 
 log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
@@ -635,6 +636,9 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
     try:
         nodes = wait_for_nodes(grid, config)
         plan = check_federation(config, len(nodes))
+        if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)
+            from server.user_dp import plan_user_dp
+            plan["user_dp"] = plan_user_dp(config, plan["clients_per_round"], len(nodes))
         log.info("run %s: %d nodes, plan %s, %d head parameters, base %s", run_id, len(nodes), plan,
                  heads.num_trainable(), base.fingerprint)
         (run_dir / "run.json").write_text(json.dumps(_jsonable({
@@ -650,8 +654,13 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
         ready.wait()
         fit_config = {**heads_config_dict(heads), RUN_KEY: run_id}
         strategy = HeadsStrategy(config, guarded, fit_config)
+        outer = strategy
+        if "user_dp" in plan:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
+            from server.user_dp import wrap_strategy
+            outer = wrap_strategy(strategy, plan["user_dp"])
+        server_opt = server_optimizer.from_config(config)  # issue 12: fedavg | fedavgm | fedadam
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=config.num_server_rounds),
-                               strategy=strategy, client_manager=client_manager)
+                               strategy=outer, client_manager=client_manager)
         workflow = None
         if config.secagg:
             workflow = SecAggPlusWorkflow(
@@ -676,7 +685,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig, store_factor
             round_log = guarded.round_log
             if round_log.aggregated:
                 new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
-                load_ndarrays(heads, parameters_to_ndarrays(new))
+                load_ndarrays(heads, server_opt.step(current, parameters_to_ndarrays(new)))  # issue 12
                 heads.config.version = server_round
             elif not round_log.aggregate_note:
                 round_log.aggregate_note = ("SecAgg+ aborted: too few clients answered for the reconstruction "
