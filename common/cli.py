@@ -65,6 +65,8 @@ def train_heads_cmd(
     lr: float = typer.Option(2e-3),
     max_chunks: int = typer.Option(2000, min=0, help="Use at most this many chunks (0: all)."),
     max_minutes: float = typer.Option(10.0, min=0.0, help="Stop training after this long (features excluded); 0: no limit."),
+    distill_chunks: int = typer.Option(0, min=0, help="Add this many self-distilled chunks: half a public chunk, then "
+                                       "the base's own greedy continuation (what the heads see while decoding)."),
     eval_data: Optional[Path] = typer.Option(None, help="Held-out folder (default: stdlib held-out split)."),
     eval_chunks: int = typer.Option(256, min=1, help="Held-out chunks to evaluate on."),
     device: str = typer.Option("auto"),
@@ -92,16 +94,27 @@ def train_heads_cmd(
         chunks = chunks[torch.randperm(len(chunks), generator=generator)[:max_chunks]]
     heldout = heldout[torch.randperm(len(heldout), generator=generator)[:eval_chunks]]
     heads, report = fit_heads(model, chunks, heldout, num_heads, arch, draft_vocab, epochs=epochs, lr=lr,
-                              batch_size=batch_size, max_seconds=max_minutes * 60 or float("inf"))
+                              batch_size=batch_size, max_seconds=max_minutes * 60 or float("inf"),
+                              distill_chunks=distill_chunks)
     heads.save(out)
     report["heads"] = str(out)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
 
 
-def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
-    """Heads for ams/fused: --heads (which must load: a FedLookaheadError otherwise), else the newest heads
-    in default_heads_dir(), or None (warned) when none fit."""
+def _heads_candidates() -> list[Path]:
+    """Where a device's newest heads are, in order: $FEDLA_HEADS (or <cache>/heads/latest, where the daemon
+    publishes them), then the daemon's default state folder, <cache>/client/heads/latest."""
+    from common.decoding import default_heads_dir
+    from common.default_model import cache_root
+
+    return [default_heads_dir(), cache_root() / "client" / "heads" / "latest"]
+
+
+def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str, state_dir: Optional[Path] = None):
+    """Heads for ams/fused: --heads, else <--state-dir>/heads/latest (either must load: a FedLookaheadError
+    otherwise), else the first of _heads_candidates() that exists, or None (warned) when none fit.
+    Says on stderr which heads it uses."""
     import warnings
 
     from common.decoding import load_heads
@@ -109,13 +122,25 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str):
 
     if mode not in ("ams", "fused"):
         return None
+    if heads is None and state_dir is not None:
+        heads = state_dir.expanduser() / "heads" / "latest"
+        if not heads.exists():
+            raise FedLookaheadError(f"no heads in {state_dir} yet ({heads} does not exist): a round's evaluation "
+                                    "delivers them; `fedla client status` shows the device's state")
     if heads is not None:  # asked for by name: never a silent fallback to plain decoding
-        return DraftHeads.load(heads, model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loaded = load_heads(heads, model)
-    for warning in caught:
-        typer.echo(f"warning: {warning.message}", err=True)
+        loaded = DraftHeads.load(heads, model)
+    else:
+        found = next((path for path in _heads_candidates() if path.exists()), None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = load_heads(found, model)
+        for warning in caught:
+            typer.echo(f"warning: {warning.message}", err=True)
+        heads = found
+    if loaded is not None:
+        where = Path(heads).expanduser()
+        shown = f"{where} -> {where.resolve()}" if where.is_symlink() else str(where)
+        typer.echo(f"heads: {shown} (v{loaded.config.version}, {loaded.num_heads} heads)", err=True)
     return loaded
 
 
@@ -126,7 +151,10 @@ def generate_cmd(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template (instruct models); "
                               "default: raw completion."),
     base: Optional[str] = typer.Option(None, help=BASE_HELP),
-    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
+    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS, else the cache's heads/latest, "
+                                         "else the daemon's <cache>/client/heads/latest)."),
+    state_dir: Optional[Path] = typer.Option(None, help="A device's state folder (fedla client --state-dir): use its "
+                                             "newest global heads."),
     mode: str = typer.Option("ams", help="ams | greedy | beam | fused"),
     max_new_tokens: int = typer.Option(128, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; > 0 samples (lossless in ams mode)."),
@@ -155,7 +183,7 @@ def generate_cmd(
     try:
         model = open_base(base, device, dtype)
         ids = prompt_ids(model, prompt, chat)
-        draft_heads = _decoding_heads(heads, model, mode)
+        draft_heads = _decoding_heads(heads, model, mode, state_dir)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = generate(model, ids, mode=mode, heads=draft_heads, max_new_tokens=max_new_tokens,

@@ -210,12 +210,14 @@ def test_train_heads_command(tmp_path, tiny_base_dir):
     result = CliRunner().invoke(
         app,
         ["train-heads", "--data", str(data), "--eval-data", str(data), "--out", str(out), "--base", str(tiny_base_dir),
-         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu", "--draft-vocab", "128"],
+         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu", "--draft-vocab", "128",
+         "--distill-chunks", "4"],
         env={"FEDLA_HOME": str(tmp_path / "home")},
     )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "train_report.json").read_text())
     assert len(report["heldout"]["head_accuracy"]) == 2 and report["draft_vocab"] == 128
+    assert report["distill_chunks"] == 4 and report["train_chunks"] == 68
     assert (out / "heads.safetensors").is_file()
     assert len(DraftHeads.load(out, load_base(tiny_base_dir, device="cpu")).config.draft_vocab) == 128
 
