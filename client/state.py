@@ -12,7 +12,12 @@ Layout of the state dir (node config `state-dir`; the daemon's default is <cache
     heads/latest -> run-<R>-v<V>  the newest of them (a symlink swapped atomically)
     events.jsonl                one JSON line per ClientApp event (train start/done, heads kept,
                                 evaluation), which the daemon turns into one log line per round
-    node-config.toml, supernode.log, daemon.json   written by the daemon
+    chunks/                     the device's private files, tokenised (client.task; private text)
+    features/                   the base's features of those chunks (common.features; private)
+    node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
+
+`fedla client status` reads this folder (client.status); `fedla client forget` deletes chunks/ and
+features/ but never the ledger and its marker.
 
 When node config `heads-dir` is set (the daemon sets it to `common.decoding.default_heads_dir()`,
 i.e. $FEDLA_HEADS or <cache>/heads/latest, unless told otherwise), the newest heads are also
@@ -200,7 +205,14 @@ def heads_received(context, heads, heads_config: Mapping[str, Any]) -> None:
 
 
 def evaluated(context, heads_config: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+    """An evaluation ran; `final` when it was the run's last round (its heads are the run's result)."""
     if state_dir_of(context.node_config) is None:
         return
-    record_event(context.node_config, "eval", run=int(context.run_id), round=heads_config.get(ROUND_KEY),
-                 version=heads_config.get("head-version"), **{k.replace("-", "_"): v for k, v in metrics.items()})
+    server_round = heads_config.get(ROUND_KEY)
+    try:
+        final = int(server_round) >= int(context.run_config.get("num-server-rounds", 0)) > 0
+    except (TypeError, ValueError):
+        final = False
+    record_event(context.node_config, "eval", run=int(context.run_id), round=server_round,
+                 version=heads_config.get("head-version"), final=int(final),
+                 **{k.replace("-", "_"): v for k, v in metrics.items()})

@@ -2,8 +2,9 @@
 
 Everything expensive is cached per process: a simulation reuses its Ray actors across rounds and
 clients, so the base model is loaded once per actor and the corpus is tokenised once per machine
-(chunk tensors are also cached on disk under the FedLookahead cache, keyed by files, tokenizer and
-chunk length).
+(chunk tensors are also cached on disk, keyed by files, tokenizer and chunk length: under a device's
+state folder, `<state-dir>/chunks`, since they are its private text; under the FedLookahead cache
+for simulated clients).
 
 Partitions use flwr-datasets partitioners over a Hugging Face `datasets.Dataset` with one row per
 chunk (its index and its group, the top-level package/module it comes from):
@@ -23,6 +24,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import datasets
 import numpy as np
@@ -53,8 +55,6 @@ class Corpus:
 class ClientData:
     train: torch.Tensor  # chunks this client trains on (one chunk = one DP privacy unit)
     heldout: torch.Tensor  # chunks it keeps for local evaluation, never trained on
-    partition_id: int
-    num_partitions: int
 
 
 def base_dir(config: FedConfig) -> Path:
@@ -88,31 +88,44 @@ def _group_files(source: str) -> list[tuple[Path, str]]:
             for p in text_files(root)]
 
 
-def chunk_corpus(files: list[tuple[Path, str]], tokenizer, chunk_len: int) -> Corpus:
+def chunk_corpus(files: list[tuple[Path, str]], tokenizer, chunk_len: int, progress: bool = False) -> Corpus:
     """Tokenise every readable file and cut it into non-overlapping chunks (never across files)."""
-    texts, groups = [], []
-    for path, group in files:
-        text = read_text(path)
-        if text and text.strip():
-            texts.append(text)
-            groups.append(group)
+    from tqdm import tqdm
+
     chunks: list[torch.Tensor] = []
     chunk_groups: list[str] = []
-    for start in range(0, len(texts), 256):  # batches keep memory flat
-        encoded = tokenizer(texts[start : start + 256], add_special_tokens=False)["input_ids"]
-        for ids, group in zip(encoded, groups[start : start + 256]):
-            usable = len(ids) - len(ids) % chunk_len
-            if usable:
-                block = torch.tensor(ids[:usable], dtype=torch.long).view(-1, chunk_len)
-                chunks.extend(block)
-                chunk_groups.extend([group] * len(block))
+    with tqdm(total=len(files), desc="tokenising", unit="file", disable=not progress, leave=False) as bar:
+        for start in range(0, len(files), 256):  # batches keep memory flat
+            texts, groups = [], []
+            for path, group in files[start : start + 256]:
+                text = read_text(path)
+                if text and text.strip():
+                    texts.append(text)
+                    groups.append(group)
+            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            for ids, group in zip(encoded, groups):
+                usable = len(ids) - len(ids) % chunk_len
+                if usable:
+                    block = torch.tensor(ids[:usable], dtype=torch.long).view(-1, chunk_len)
+                    chunks.extend(block)
+                    chunk_groups.extend([group] * len(block))
+            bar.update(len(files[start : start + 256]))
     if not chunks:
         raise FedLookaheadError(f"no file is at least {chunk_len} tokens long")
     return Corpus(torch.stack(chunks), chunk_groups)
 
 
-def load_corpus(source: str, base: BaseModel, chunk_len: int) -> Corpus:
-    """The chunks of `source` for `base`'s tokenizer: memory cache, then disk cache, then tokenise."""
+def chunk_cache_dir(node_config: Mapping[str, Any]) -> Path:
+    """Where chunk tensors are cached: a device's state folder (its private text stays there), else the cache."""
+    if node_config.get("state-dir"):
+        return Path(str(node_config["state-dir"])).expanduser() / "chunks"
+    return cache_root() / "chunks"
+
+
+def load_corpus(source: str, base: BaseModel, chunk_len: int, cache_dir: Path | None = None,
+                progress: bool = False) -> Corpus:
+    """The chunks of `source` for `base`'s tokenizer: memory cache, then disk cache (`cache_dir`,
+    default <cache>/chunks), then tokenise."""
     key = (source, base.fingerprint, chunk_len)
     with _LOCK:
         if key in _CORPORA:
@@ -120,7 +133,7 @@ def load_corpus(source: str, base: BaseModel, chunk_len: int) -> Corpus:
         files = _group_files(source)
         listing = json.dumps([[str(p), p.stat().st_size, g] for p, g in files])
         key_hash = hashlib.sha256(f"{base.fingerprint}|{chunk_len}|{listing}".encode()).hexdigest()[:16]
-        cache_file = cache_root() / "chunks" / f"{key_hash}.pt"
+        cache_file = (cache_dir or cache_root() / "chunks") / f"{key_hash}.pt"
         corpus = None
         if cache_file.is_file():
             try:
@@ -129,7 +142,7 @@ def load_corpus(source: str, base: BaseModel, chunk_len: int) -> Corpus:
             except Exception as exc:  # a corrupt cache is rebuilt, never trusted
                 log.warning("ignoring unreadable chunk cache %s: %s", cache_file, exc)
         if corpus is None:
-            corpus = chunk_corpus(files, base.tokenizer, chunk_len)
+            corpus = chunk_corpus(files, base.tokenizer, chunk_len, progress=progress)
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
             torch.save({"chunks": corpus.chunks, "groups": corpus.groups}, tmp)
@@ -228,22 +241,22 @@ def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
     return cache_root() / "features"
 
 
-def client_features(config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict) -> Features:
+def client_features(config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict,
+                    progress: bool = False) -> Features:
     """Base features of this client's chunks, computed once and reused across rounds (common/features.py)."""
-    return base_features(base, chunks, feature_cache_dir(config, node_config))
+    return base_features(base, chunks, feature_cache_dir(config, node_config), progress=progress)
 
 
-def client_data(config: FedConfig, base: BaseModel, node_config: dict) -> ClientData:
+def client_data(config: FedConfig, base: BaseModel, node_config: dict, progress: bool = False) -> ClientData:
     """This node's data: its own folder (`data-dir` node config, a real device) or its simulation partition."""
     data_dir = str(node_config.get("data-dir", "") or "")
-    partition_id = int(node_config.get("partition-id", 0))
-    num_partitions = int(node_config.get("num-partitions", 1))
+    partition_id = 0
     if data_dir:
-        corpus = load_corpus(data_dir, base, config.chunk_len)
-        chunks = corpus.chunks
-        partition_id, num_partitions = 0, 1
+        chunks = load_corpus(data_dir, base, config.chunk_len, chunk_cache_dir(node_config), progress=progress).chunks
     else:
-        corpus = load_corpus(config.data_source, base, config.chunk_len)
+        partition_id = int(node_config.get("partition-id", 0))
+        num_partitions = int(node_config.get("num-partitions", 1))
+        corpus = load_corpus(config.data_source, base, config.chunk_len, progress=progress)
         chunks = corpus.chunks[torch.from_numpy(partition_indices(corpus, config, num_partitions, partition_id))]
     train, heldout = split_local(chunks, config, salt=partition_id)
-    return ClientData(train, heldout, partition_id, num_partitions)
+    return ClientData(train, heldout)

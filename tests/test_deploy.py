@@ -295,19 +295,21 @@ def test_round_logger_one_line_per_round(tmp_path):
                         "epsilon 1.900/2 (delta 1e-05), 1.2s")
 
 
-def test_unreachable_superlink_retries_then_gives_up(tmp_path):
+def test_unreachable_superlink_retries_then_gives_up(tmp_path, tiny_base_dir):
     certs = make_certs(tmp_path / "certs", nodes=1)
     data = device_data(tmp_path / "data", "json")
     port = free_port()  # nothing listens there
     started = time.monotonic()
     done = subprocess.run([FEDLA, "client", "--superlink", f"127.0.0.1:{port}", "--data", str(data),
                            "--root-certificates", str(certs / "ca.crt"), "--auth-key", str(certs / "node-1"),
-                           "--state-dir", str(tmp_path / "state"), "--no-publish",
+                           "--state-dir", str(tmp_path / "state"), "--no-publish", "--base", str(tiny_base_dir),
                            "--max-retries", "1", "--max-wait-time", "3", "--restarts", "2"],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == EXIT_UNREACHABLE, done.stdout + done.stderr
     assert f"cannot reach the SuperLink at 127.0.0.1:{port}: 2 attempt(s)" in done.stderr
     assert "retry 1/2" in done.stdout  # the daemon's own backoff between SuperNode starts
+    assert done.stdout.index("tokenised: ") < done.stdout.index("retry 1/2")  # ready before joining
+    assert list((tmp_path / "state" / "chunks").glob("*.pt"))  # the private text stays in the state folder
     assert (tmp_path / "state" / "supernode.log").read_text().count("Giving up reconnection") == 2
     assert time.monotonic() - started < 200
 
@@ -425,7 +427,7 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
         for name in ("client-1", "client-2", "client-3b"):
             procs.wait_for(lambda name=name: procs.out(name).count("connected to the SuperLink") >= 2, 180,
                            f"{name} to reconnect")
-        assert "connection to the SuperLink lost" in procs.out("client-1")
+        assert "server gone; retrying (1)" in procs.out("client-1")  # --restarts 0: no limit
         for process in (daemons[1], daemons[2], daemons[3], relink):
             assert procs.stop(process) == 0, procs.summary()
     finally:

@@ -1,0 +1,241 @@
+"""`fedla client`: the long-running FedLookahead process on a device.
+
+In order, it
+1. checks everything it can without the network (checks.py) and stops with one line if something is
+   wrong;
+2. gets ready (readiness.py): builds the embedded base if the device has none, tokenises the device's
+   private files into <state>/chunks and, when cheap, caches their base features, with progress bars;
+3. writes the device's settings as node config (nodeconfig.py) and runs Flower's own SuperNode,
+   `flower-supernode`, as a child process (supernode.py), with TLS and node authentication;
+4. restarts it when it exits, as the pure restart policy says (policy.py), and tells the owner what
+   happens (reporter.py): one line per round from <state>/events.jsonl, and the lifecycle lines
+   ("waiting for registration", "run X finished: heads vN kept", "server gone; retrying (k/N)").
+
+Flower's full output goes to <state>/supernode.log; <state>/daemon.json says what the daemon is doing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from client.daemon.checks import check_auth_key, check_data, parse_address, preflight
+from client.daemon.nodeconfig import NODE_CONFIG_FILE, floor_values, node_config_values, write_node_config
+from client.daemon.options import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_TLS,
+    EXIT_UNREACHABLE,
+    DaemonError,
+    DaemonOptions,
+)
+from client.daemon.policy import Decision, Outcome, RestartPolicy
+from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
+from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
+from client.state import EVENTS_FILE, default_state_dir
+from common.base import FedLookaheadError
+from common.procs import flower_env, free_port
+
+__all__ = [
+    "EXIT_BAD_INPUT", "EXIT_OK", "EXIT_REFUSED", "EXIT_TLS", "EXIT_UNREACHABLE", "ClientDaemon", "DaemonError",
+    "DaemonOptions", "RoundLogger", "check_auth_key", "check_data", "floor_values", "format_round",
+    "node_config_values", "parse_address", "preflight", "reset_ledger_command", "run_daemon", "write_node_config",
+]
+
+log = logging.getLogger("fedla.client")
+
+GIVE_UP_GRACE = 5.0  # seconds a SuperNode that gave up reconnecting gets to exit by itself
+DAEMON_FILE = "daemon.json"
+
+
+class ClientDaemon:
+    def __init__(self, opts: DaemonOptions, emit: Callable[[str], None] | None = None) -> None:
+        self.opts = opts
+        self.state_dir = (opts.state_dir or default_state_dir()).expanduser()
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self.stopping = threading.Event()
+        self.node: SuperNode | None = None
+        self.node_id: int | None = None
+        self.connected_this_start = False
+        self.gone_announced = False
+        self.gave_up_at: float | None = None
+        self.flwr_home = self.state_dir / "flwr-home"
+        self.log_path = self.state_dir / "supernode.log"
+        self.status: dict = {}
+
+    # -- what flower-supernode says (called from its reader thread)
+    def on_line(self, line: str) -> None:
+        event = parse_line(line)
+        if event is None:
+            return
+        name, value = event
+        if name == "node-id":
+            try:
+                self.node_id = int(value)
+            except ValueError:
+                pass
+            self.connected_this_start, self.gone_announced = True, False
+            self.emit(f"connected to the SuperLink at {self.opts.superlink} as node {self.node_id}")
+            self._write_status("connected")
+        elif name == "reconnected":
+            self.gone_announced = False
+            self.emit(f"reconnected to the SuperLink ({value})")
+            self._write_status("connected")
+        elif name == "retrying" and self.connected_this_start and not self.gone_announced:
+            self.gone_announced = True  # the SuperNode retries on its own: that is try 1
+            self.emit(server_gone(1, self.opts.restarts))
+            self._write_status("server-gone")
+        elif name == "gave-up":
+            # flower-supernode 1.42 does not always exit after this (its runtime API thread keeps the
+            # process alive, disconnected): the daemon ends it and starts a new one
+            self.gave_up_at = time.monotonic()
+        elif name == "error":
+            self.emit(f"supernode: {value}")
+
+    def _write_status(self, status: str, **extra) -> None:
+        self.status.update({"status": status, "pid": os.getpid(), "superlink": self.opts.superlink,
+                            "node_id": self.node_id, "state_dir": str(self.state_dir), "time": time.time(), **extra})
+        tmp = self.state_dir / f".{DAEMON_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(self.status, indent=1, default=str))
+        os.replace(tmp, self.state_dir / DAEMON_FILE)
+
+    def stop(self, *_args) -> None:
+        self.stopping.set()
+
+    def _prepare(self) -> dict:
+        """Readiness, then the node config every ClientApp reads."""
+        from client.daemon.readiness import NotPrepared, prepare, prepare_base
+
+        base_dir = prepare_base(self.opts.base, self.emit)
+        values = node_config_values(self.opts, self.state_dir, base_dir)
+        write_node_config(self.state_dir / NODE_CONFIG_FILE, values)
+        if self.opts.prepare:
+            try:
+                ready = prepare(values, self.emit)
+                self.status["readiness"] = {"train_chunks": ready.train_chunks, "heldout_chunks": ready.heldout_chunks,
+                                            "features": ready.features, "seconds": round(ready.seconds, 1)}
+            except NotPrepared as exc:  # the run may use another chunk length: its rounds will say
+                self.emit(f"not prepared ({exc}); the first round will try with the run's settings")
+        return values
+
+    def _run_one(self, cmd: list[str], rounds: RoundLogger) -> Outcome:
+        """One SuperNode start, until it exits, gives up reconnecting, or the daemon stops."""
+        self.connected_this_start, self.gone_announced, self.gave_up_at = False, False, None
+        node = self.node = SuperNode(cmd, flower_env(self.flwr_home, PYTHONUNBUFFERED="1"), self.state_dir,
+                                     self.log_path, self.on_line)
+        while node.running() and not self.stopping.is_set():
+            node.tree.remember()
+            rounds.poll()
+            if self.gave_up_at is not None and time.monotonic() - self.gave_up_at > GIVE_UP_GRACE:
+                break  # it gave up reconnecting but is still running: restart it
+            self.stopping.wait(0.5)
+        node.end(grace=5)
+        rounds.poll()
+        kind, detail = classify(node.tail, self.connected_this_start)
+        return Outcome(kind, self.connected_this_start, node.began, time.monotonic(), detail)
+
+    def run(self) -> int:
+        """Run until stopped (returns 0) or a final error (raises DaemonError)."""
+        opts = self.opts
+        info = preflight(opts)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        self._write_status("preparing")
+        values = self._prepare()
+        cmd = supernode_command(opts, self.state_dir / NODE_CONFIG_FILE, opts.runtime_port or free_port())
+        from client.privacy import BUDGET_KEY, MAX_DELTA_KEY
+
+        budget = float(values[BUDGET_KEY])
+        rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
+        self.emit(f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
+                  f"base {values['base-model-dir']}, state {self.state_dir}"
+                  + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
+                  + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}")
+        if info["public_key"]:
+            self.emit(f"node public key (register it on the server): {info['public_key']}")
+        policy = RestartPolicy(opts.restarts, opts.refused_patience)
+        self._write_status("starting", node_config=values, command=cmd)
+        endpoint = None
+        try:
+            if opts.serve_port:  # apps on this device generate with the newest heads the rounds deliver
+                from client.endpoint import start_endpoint
+
+                try:
+                    endpoint = start_endpoint(Path(values["base-model-dir"]), self.state_dir / "heads" / "latest",
+                                              port=opts.serve_port, device=opts.device)
+                except FedLookaheadError as exc:
+                    raise DaemonError(f"local generation endpoint: {exc}") from None
+                self.emit(f"local generation endpoint on {endpoint.url} (OpenAI-compatible /v1/completions, "
+                          "/v1/chat/completions)")
+                self._write_status("starting", serve_url=endpoint.url)
+            while not self.stopping.is_set():
+                outcome = self._run_one(cmd, rounds)
+                if self.stopping.is_set():
+                    break
+                decision = policy.decide(outcome)
+                self._act(decision, outcome.detail)
+                self.stopping.wait(decision.delay)
+        finally:
+            if endpoint is not None:
+                endpoint.stop()
+            if self.node is not None:
+                self.node.end(grace=10)
+            rounds.poll()
+            rounds.flush()
+            try:
+                self._write_status("stopped")
+            except OSError:
+                pass
+        return EXIT_OK
+
+    def _act(self, decision: Decision, detail: str) -> None:
+        opts = self.opts
+        if decision.stop:
+            raise DaemonError(final_error(decision, opts.superlink, detail, opts.root_certificates, opts.auth_key),
+                              decision.code)
+        if decision.state == "server-gone" and decision.first and self.gone_announced:
+            detail = ""  # try 1 was announced when the connection failed; Flower's last error adds nothing new
+        line = decision_line(decision, opts.superlink, detail, opts.refused_patience, opts.auth_key)
+        if line:
+            self.emit(line)
+        self._write_status(decision.state, attempt=decision.attempt, limit=decision.limit)
+
+
+def reset_ledger_command(state_dir: Path | None, yes: bool) -> int:
+    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.privacy.reset_ledger).
+
+    Prints one line (what was done, or on stderr why not and what resetting means) and returns the
+    exit code: 0, or EXIT_BAD_INPUT without --yes or without a state folder.
+    """
+    from client.privacy import reset_ledger
+
+    try:
+        print(reset_ledger(state_dir or default_state_dir(), yes=yes), flush=True)
+    except FedLookaheadError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def run_daemon(opts: DaemonOptions) -> int:
+    """Entry point of `fedla client`: run until SIGTERM/SIGINT; one-line errors and exit codes."""
+    daemon = ClientDaemon(opts)
+    previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = daemon.run()
+        print("fedla client: stopped", flush=True)
+        return code
+    except DaemonError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
