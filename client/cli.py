@@ -20,7 +20,7 @@ def client_cmd(
     ctx: typer.Context,
     superlink: Optional[str] = typer.Option(None, help="SuperLink address HOST:PORT."),
     data: Optional[Path] = typer.Option(None, help="This device's private folder of text/code files."),
-    base: Optional[Path] = typer.Option(None, help="Base model directory (default: embedded default)."),
+    base: Optional[str] = typer.Option(None, help=BASE_HELP + " Built or converted before joining."),
     device: str = typer.Option("auto", help="auto | cpu | cuda (training and evaluation on this device)."),
     budget_eps: Optional[float] = typer.Option(None, help="Lifetime privacy budget (epsilon) of this device over all "
                                                "runs (default 8); it declines training beyond it."),
@@ -29,7 +29,8 @@ def client_cmd(
     min_noise_multiplier: Optional[float] = typer.Option(None, help="Smallest noise multiplier it trains with (default 0.5)."),
     root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (default: system CAs)."),
     auth_key: Optional[Path] = typer.Option(None, help="This node's ECDSA private key (OpenSSH) for node authentication."),
-    state_dir: Optional[Path] = typer.Option(None, help="Private state: ledger, accountant, global heads, logs (default: <cache>/client)."),
+    state_dir: Optional[Path] = typer.Option(None, help="All of this device's data: privacy ledger, global heads, tokenised "
+                                             "files, features, logs (default: <cache>/client)."),
     heads_dir: Optional[Path] = typer.Option(None, help="Also publish the newest global heads here (default: $FEDLA_HEADS or <cache>/heads/latest)."),
     no_publish: bool = typer.Option(False, "--no-publish", help="Keep heads only in the state folder."),
     insecure: bool = typer.Option(False, "--insecure", help="No TLS (tests only; incompatible with --auth-key)."),
@@ -42,12 +43,14 @@ def client_cmd(
     node_config: str = typer.Option("", help="Extra node config `k=v ...` (client-side run-config keys)."),
     serve_port: int = typer.Option(0, min=0, max=65535, help="Also serve the local OpenAI-compatible generation "
                                    "endpoint on 127.0.0.1:PORT, with the newest global heads (0: off)."),
+    no_prepare: bool = typer.Option(False, "--no-prepare", help="Join at once: tokenise the files (and compute "
+                                    "features) in the first round instead of before joining."),
 ) -> None:
     """Long-running device daemon: a Flower SuperNode running the FedLookahead ClientApp."""
     if ctx.invoked_subcommand is not None:
         return
     if superlink is None or data is None:
-        fail("fedla client needs --superlink and --data (or a subcommand: reset-ledger)")
+        fail("fedla client needs --superlink and --data (or a subcommand: status, forget, serve, reset-ledger)")
     from client.daemon import DaemonOptions, run_daemon
 
     opts = DaemonOptions(superlink=superlink, data=data, base=base, device=device, budget_eps=budget_eps,
@@ -56,7 +59,8 @@ def client_cmd(
                          heads_dir=heads_dir, publish_heads=not no_publish, insecure=insecure,
                          max_retries=max_retries, max_wait_time=max_wait_time, restarts=restarts,
                          refused_patience=refused_patience,
-                         runtime_port=runtime_port, node_config=node_config, serve_port=serve_port)
+                         runtime_port=runtime_port, node_config=node_config, serve_port=serve_port,
+                         prepare=not no_prepare)
     raise typer.Exit(code=run_daemon(opts))
 
 
@@ -95,6 +99,43 @@ def reset_ledger_cmd(
     from client.daemon import reset_ledger_command
 
     raise typer.Exit(code=reset_ledger_command(state_dir, yes))
+
+
+@app.command("status")
+def status_cmd(
+    state_dir: Optional[Path] = typer.Option(None, help="The device's state folder (default: <cache>/client)."),
+    json_out: bool = typer.Option(False, "--json", help="Print it as JSON."),
+) -> None:
+    """What this device has spent and kept, read from its state folder only: lifetime epsilon and budget,
+    runs joined, last round, heads version, where everything is stored, and how to generate with the heads.
+    Exit 1 when the privacy ledger cannot be trusted (the device does not train until it is reset)."""
+    import json
+
+    from client.state import default_state_dir
+    from client.status import device_status, format_status
+
+    try:
+        status = device_status(state_dir or default_state_dir())
+    except FedLookaheadError as exc:
+        fail(str(exc))
+    typer.echo(json.dumps(status, indent=1, default=str) if json_out else format_status(status))
+    raise typer.Exit(code=0 if status["privacy"]["trusted"] else 1)
+
+
+@app.command("forget")
+def forget_cmd(
+    state_dir: Optional[Path] = typer.Option(None, help="The device's state folder (default: <cache>/client)."),
+    yes: bool = typer.Option(False, "--yes", help="Really delete the tokenised files and their features."),
+) -> None:
+    """Delete this device's private text caches (<state>/chunks, <state>/features); the privacy ledger
+    and the global heads stay. Stop `fedla client` first."""
+    from client.state import default_state_dir
+    from client.status import forget
+
+    try:
+        typer.echo(forget(state_dir or default_state_dir(), yes=yes))
+    except FedLookaheadError as exc:
+        fail(str(exc))
 
 
 def register(root: typer.Typer) -> None:
