@@ -1,0 +1,239 @@
+"""Issue 12: the privacy-utility benchmark end to end (tiny base), its epsilon accounting against Opacus,
+user-level DP (Flower's client-side fixed clipping under SecAgg+), the server optimisers, fewer trainable
+parameters."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.clientapp import ClientApp
+from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from opacus.accountants import RDPAccountant
+
+from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
+from client.privacy import PrivacyState, train_round
+from common.data import stdlib_dir
+from common.features import base_features
+from common.fedconfig import FedConfig
+from common.heads import DraftHeads
+from common.params import heads_to_ndarrays
+from server.federation import run_federation
+from server.inprocess import InProcessGrid
+from server.server_optimizer import ServerOptimizer
+from server.user_dp import user_epsilon, user_noise_multiplier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts
+from simulations import privacy_utility  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick_result(tiny_base_dir, tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("privacy-utility") / "out.json"
+    assert privacy_utility.main(["--quick", "--base", str(tiny_base_dir), "--json", str(out)]) == 0
+    return json.loads(out.read_text()), out
+
+
+def check_entry(entry: dict, heads: int = 4) -> None:
+    assert isinstance(entry["tau_heads_only"], float) and 1.0 <= entry["tau_heads_only"] <= 1 + heads
+    assert len(entry["acc"]) == heads and all(0.0 <= a <= 1.0 for a in entry["acc"])
+
+
+def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
+    result, out = quick_result
+    assert result["clients"] == privacy_utility.QUICK.clients and result["rounds"] == privacy_utility.QUICK.rounds
+    for name in ("public_only", "federated_nodp", "central_nodp"):
+        check_entry(result[name])
+    assert sorted(result["dp"], key=float) == ["1", "2", "4", "8"]
+    for entry in result["dp"].values():
+        check_entry(entry)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    # per-client figures average to the reported mean
+    for entry in (result["public_only"], result["dp"]["8"]):
+        clients = entry["per_client"]
+        assert len(clients) == result["clients"]
+        assert entry["tau_heads_only"] == pytest.approx(sum(c["tau_heads_only"] for c in clients) / len(clients), abs=1e-3)
+    # the chain estimate is validated against a real heads-only AMS-LD decode
+    for check in result["tau_validation"].values():
+        assert check["decoded_ams_heads_only"] >= 1.0 and check["chain_estimate_same_chunks"] >= 1.0
+
+
+def test_epsilon_composed_over_all_rounds_matches_opacus_and_stays_under_target(quick_result):
+    result, _ = quick_result
+    meta = result["meta"]
+    batch = meta["scale"]["batch_size"]
+    for target, entry in result["dp"].items():
+        privacy = entry["privacy"]
+        assert privacy["aggregated_rounds"] == result["rounds"] and privacy["skipped_budget"] == 0
+        assert 0 < privacy["epsilon_max"] <= float(target) + 1e-6
+        # recompute each client's epsilon from its (sigma, q, steps) with Opacus's own accountant
+        (sigma,) = privacy["noise_multiplier"]  # one sigma for the whole run
+        worst = 0.0
+        for chunks in meta["train_chunks"]:
+            batches = math.ceil(chunks / batch)
+            accountant = RDPAccountant()
+            accountant.history = [(sigma, 1 / batches, batches * result["rounds"])]
+            worst = max(worst, accountant.get_epsilon(1e-5))
+        assert worst == pytest.approx(privacy["epsilon_max"], rel=1e-3, abs=1e-3)
+        assert worst <= float(target) + 1e-3
+    user = result["user_dp"]["8"]["privacy"]["user_dp"]
+    assert user["epsilon"] <= 8.0 + 1e-6 and user["noise_added_by"].startswith("server")
+
+
+def test_the_teacher_forced_chain_estimate_counts_leading_hits(tiny_base):
+    """tau = 1 + mean number of leading heads that agree with the base's greedy token, by hand."""
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, 3)
+    features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (3, 12)))
+    got = privacy_utility.chain_acceptance(heads, features)
+    logits = heads(features.hidden.float(), features.tokens)
+    length, k_max = 12, 3
+    accepted = []
+    for b in range(3):
+        for t in range(length - k_max):
+            n = 0
+            for k in range(1, k_max + 1):
+                if int(heads.draft_ids[logits[k - 1][b, t].argmax()]) != int(features.greedy[b, t + k]):
+                    break
+                n += 1
+            accepted.append(n)
+    assert got["tau_heads_only"] == pytest.approx(1 + sum(accepted) / len(accepted))
+
+
+# ------------------------------------------------------------------------------ user-level DP
+
+
+def train_message(global_arrays: list[np.ndarray], config: dict) -> Message:
+    content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(global_arrays), config), keep_input=True)
+    return Message(content, dst_node_id=1, message_type=MessageType.TRAIN, group_id="1")
+
+
+def test_fixed_clipping_bounds_the_update_only_when_the_server_asks():
+    rng = np.random.default_rng(0)
+    global_arrays = [rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)]
+    update = [rng.normal(scale=5.0, size=a.shape).astype(np.float32) for a in global_arrays]
+
+    def handler(msg, context):
+        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([g + u for g, u in zip(global_arrays, update)]), 10, {})
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    norm = math.sqrt(sum(float((u.astype(np.float64) ** 2).sum()) for u in update))
+    for clip in (0.1, 1.0):
+        reply = fixedclipping_when_asked(train_message(global_arrays, {KEY_CLIPPING_NORM: clip}), context, handler)
+        sent = parameters_to_ndarrays(compat.recorddict_to_fitres(reply.content, keep_input=True).parameters)
+        delta = [s.astype(np.float64) - g for s, g in zip(sent, global_arrays)]
+        clipped = math.sqrt(sum(float((d ** 2).sum()) for d in delta))
+        assert clipped == pytest.approx(clip, rel=1e-4)  # norm 5*sqrt(72) >> clip: scaled down to exactly clip
+        for d, u in zip(delta, update):  # direction kept
+            np.testing.assert_allclose(d, u * clip / norm, rtol=1e-3, atol=1e-5)
+    reply = fixedclipping_when_asked(train_message(global_arrays, {}), context, handler)  # example-level runs
+    sent = parameters_to_ndarrays(compat.recorddict_to_fitres(reply.content, keep_input=True).parameters)
+    np.testing.assert_allclose(sent[0], global_arrays[0] + update[0], rtol=1e-6)
+
+
+def test_user_level_noise_calibration_against_opacus():
+    config = FedConfig.from_mapping({"dp-level": "user", "dp-target-epsilon": 4.0, "num-server-rounds": 5})
+    sigma = user_noise_multiplier(config, sampled=4, nodes=8)
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, 0.5, 5)]
+    assert accountant.get_epsilon(1e-5) <= 4.0 + 1e-3
+    assert user_epsilon(sigma, 4, 8, 5, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5))
+    accountant.history = [(sigma * 0.9, 0.5, 5)]  # the calibrated sigma is the smallest that fits
+    assert accountant.get_epsilon(1e-5) > 4.0
+
+
+def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(tiny_base_dir, tiny_base, tmp_path, one_thread):
+    """Under SecAgg+ with dp-level=user: every client's update has norm <= dp-user-clip (Flower's
+    fixedclipping_mod, before masking), the clients weigh the same, and the new heads are the plain mean
+    of the clipped updates plus Gaussian noise of std sigma * clip / n (Flower's server wrapper)."""
+    clip, nodes = 0.05, 4
+    run_config = {
+        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"), "num-server-rounds": 1,
+        "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "lr": 0.01,
+        "min-train-clients": nodes, "min-available-clients": nodes, "node-wait-seconds": 0.0,
+        "server-eval-chunks": 0, "eval-prompts": 1, "eval-max-new-tokens": 0, "fraction-evaluate": 0.0,
+        "run-dir": str(tmp_path / "runs"), "dp-level": "user", "dp-user-clip": clip, "dp-target-epsilon": 8.0,
+    }
+    sent: dict = {}
+    received: dict = {}
+
+    def recorder(msg, context, call_next):  # sits between SecAgg+ and the clipping mod: sees what gets masked
+        reply = call_next(msg, context)
+        fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+        received[context.node_id] = parameters_to_ndarrays(fitins.parameters)
+        fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+        sent[context.node_id] = (parameters_to_ndarrays(fitres.parameters), fitres.num_examples, fitres.metrics)
+        return reply
+
+    app = ClientApp()
+
+    @app.train(mods=[secaggplus_when_needed, recorder, fixedclipping_when_asked])
+    def train(msg: Message, context: Context) -> Message:
+        fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+        fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+    grid = InProcessGrid(app, nodes, run_config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
+    plan = json.loads((run_dir / "run.json").read_text())["plan"]["user_dp"]
+    assert plan["clip"] == clip and plan["clients_per_round"] == nodes and plan["epsilon"] <= 8.0 + 1e-6
+    assert len(sent) == nodes
+    global_arrays = next(iter(received.values()))
+    deltas = []
+    for arrays, _weight, metrics in sent.values():
+        assert metrics["dp"] == 0  # no Opacus on the client: the noise is the server's
+        delta = [a.astype(np.float64) - g for a, g in zip(arrays, global_arrays)]
+        assert math.sqrt(sum(float((d ** 2).sum()) for d in delta)) <= clip * (1 + 1e-4)
+        deltas.append(delta)
+    assert len({w for _, w, _ in sent.values()}) == 1  # equal weights: sensitivity clip / n
+    new = heads_to_ndarrays(DraftHeads.load(run_dir / "checkpoints" / "round-1", tiny_base))
+    noise = np.concatenate([(n - g - sum(d[i] for d in deltas) / nodes).ravel()
+                            for i, (n, g) in enumerate(zip(new, global_arrays))])
+    expected_std = plan["noise_multiplier"] * clip / nodes
+    assert plan["noise_std"] == pytest.approx(expected_std)
+    assert abs(float(noise.mean())) < 0.05 * expected_std
+    assert float(noise.std()) == pytest.approx(expected_std, rel=0.05)
+
+
+# ------------------------------------------------------------------------------ tricks
+
+
+def test_server_optimizers_against_their_update_rules():
+    current = [np.zeros(3, np.float32)]
+    means = [[np.array([1.0, -2.0, 0.5], np.float32)], [np.array([2.0, -1.0, 0.5], np.float32)]]
+    avg = ServerOptimizer("fedavg")
+    assert np.array_equal(avg.step(current, means[0])[0], means[0][0])  # FedAvg: the mean itself
+    m = ServerOptimizer("fedavgm", lr=0.5, momentum=0.9)
+    x1 = m.step(current, means[0])
+    np.testing.assert_allclose(x1[0], 0.5 * means[0][0])
+    x2 = m.step(x1, [x1[0] + means[1][0]])  # delta of round 2 = means[1]
+    np.testing.assert_allclose(x2[0], x1[0] + 0.5 * (0.9 * means[0][0] + means[1][0]), rtol=1e-6)
+    adam = ServerOptimizer("fedadam", lr=0.1, momentum=0.9, beta2=0.99, tau=1e-3)
+    d = means[0][0].astype(np.float64)
+    mom, var = 0.1 * d, 0.01 * d * d
+    np.testing.assert_allclose(adam.step(current, means[0])[0], 0.1 * mom / (np.sqrt(var) + 1e-3), rtol=1e-5)
+
+
+def test_fusion_only_dp_training_leaves_the_other_heads_untouched(tiny_base, one_thread):
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    before = {k: v.clone() for k, v in heads.state_dict().items()}
+    features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (16, 16)))
+    config = FedConfig.from_mapping({"dp-trainable": "fusion", "batch-size": 4, "dp-target-epsilon": 8.0})
+    result = train_round(heads, features, config, PrivacyState("t"))
+    assert result.steps > 0 and 0 < result.epsilon <= 8.0
+    after = heads.state_dict()
+    for name, value in after.items():
+        changed = not torch.equal(value, before[name])
+        assert changed == name.startswith("fusion"), name
