@@ -361,7 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chunks-per-client", type=int, default=0)
     parser.add_argument("--no-tricks", action="store_true", help="skip the comparison of DP tricks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--prepare-data", action="store_true",
+                        help="only build the private folder (site-packages sources by package) and print it")
     args = parser.parse_args(argv)
+    if args.prepare_data:
+        from common.default_model import cache_root
+
+        scale = QUICK if args.quick else Scale()
+        print(private_corpus(scale.packages, scale.max_files_per_package, cache_root() / "privacy_utility"))
+        return 0
     torch.set_num_threads(args.threads)
     import dataclasses
     import logging
