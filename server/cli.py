@@ -69,7 +69,8 @@ def server_cmd(
 ) -> None:
     """Deployment SuperLink with TLS + SuperNode authentication, then the FedLookahead run on it."""
     from common.default_model import cache_root
-    from server.deploy import TlsFiles, repo_app_dir, serve
+    from server.deploy import repo_app_dir, serve
+    from server.superlink import TlsFiles
 
     if certs is not None:
         tls = TlsFiles.from_dir(certs)

@@ -3,7 +3,7 @@
 A scenario is a TOML file with a `[federation]` table (num-supernodes, client-resources-num-cpus: the
 simulation's `--federation-config`) and a `[run-config]` table (overrides of [tool.flwr.app.config]);
 `base = "other"` inherits another scenario. The runner starts a private local SuperLink (its own
-ports and FLWR_HOME, see simulations/superlink.py), submits `flwr run . local --run-config ...
+ports and FLWR_HOME, see server/superlink.py), submits `flwr run . local --run-config ...
 --federation-config ... --stream`, waits for the run to end and stops every process it started.
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
 flwr.log and prints the per-round table.
@@ -97,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.inprocess:
         code = _run_inprocess(run_config, int(federation.get("num-supernodes", 2)), run_dir)
     else:
-        from simulations.superlink import LocalSuperLink
+        from server.superlink import SuperLink
 
-        with LocalSuperLink(log_dir=run_dir) as link:
-            code = link.run(run_config, federation, timeout=args.timeout, log_path=run_dir / "flwr.log")
+        with SuperLink.for_simulation(log_dir=run_dir, cwd=REPO) as link:
+            code, _ = link.submit(REPO, run_config, federation, log_path=run_dir / "flwr.log", timeout=args.timeout,
+                                  echo=False)
     seconds = time.perf_counter() - started
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():

@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from common.data import stdlib_dir
+from common.procs import alive
+from server.superlink import SuperLink
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
-from common.procs import alive  # noqa: E402
-from simulations.superlink import LocalSuperLink  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None,
                                 reason="flower-superlink is not installed in this environment")
@@ -30,11 +30,11 @@ def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeyp
         "server-eval-chunks": 8, "eval-prompts": 1, "eval-max-new-tokens": 4, "client-eval-prompts": 1,
         "run-dir": str(tmp_path / "runs"), "run-id": "flwr-e2e", "secagg": True, "dp": True,
     }
-    link = LocalSuperLink(flwr_home=tmp_path / "flwr-home", log_dir=tmp_path)
+    link = SuperLink.for_simulation(flwr_home=tmp_path / "flwr-home", log_dir=tmp_path, cwd=REPO)
     with link:
-        code = link.run(run_config, {"num-supernodes": 3, "client-resources-num-cpus": 1}, timeout=600,
-                        log_path=tmp_path / "flwr-run.log")
-        port, started = link.port, [link.process.pid] + sorted(link.known)
+        code, _ = link.submit(REPO, run_config, {"num-supernodes": 3, "client-resources-num-cpus": 1}, timeout=600,
+                              log_path=tmp_path / "flwr-run.log", echo=False)
+        port, started = link.port, link.pids()
     log = (tmp_path / "flwr-run.log").read_text()
     assert code == 0, log[-3000:]
     # everything this test started is gone: SuperLink, SuperExec, simulation, Ray workers
