@@ -1,81 +1,20 @@
-"""The federated run's knobs: one table, read by the ServerApp and every ClientApp.
+"""The federated run's knobs: `FedConfig`, the single source of their defaults and help text.
 
-`DEFAULTS` mirrors `[tool.flwr.app.config]` in pyproject.toml (a test keeps the two equal); Flower
-hands the merged run config (pyproject defaults + `flwr run --run-config` overrides) to both sides
-as `context.run_config`. A real device may override any client-side key in its node config
-(`flower-supernode --node-config "max-chunks-per-client=512 ..."`); its privacy settings are a floor
-the run cannot lower (client.privacy.DeviceFloor).
+Flower reads the defaults from `[tool.flwr.app.config]` in pyproject.toml, so that table must exist; a
+test checks it line by line (key, value, comment) against `FedConfig`. Flower hands the merged run
+config (pyproject defaults + `flwr run --run-config` overrides) to both sides as `context.run_config`.
+A real device may override any client-side key in its node config (`flower-supernode --node-config
+"max-chunks-per-client=512 ..."`); its privacy settings are a floor the run cannot lower
+(client.privacy.DeviceFloor).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from common.base import FedLookaheadError
-
-DEFAULTS: dict[str, bool | int | float | str] = {
-    # rounds and sampling
-    "num-server-rounds": 3,
-    "clients-per-round": 0,  # > 0: exactly this many clients per round; 0: use fraction-train
-    "fraction-train": 1.0,
-    "min-train-clients": 2,
-    "min-available-clients": 2,
-    "fraction-evaluate": 1.0,  # 0: no client-side evaluation
-    "node-wait-seconds": 60.0,  # how long the server waits for min-available-clients nodes to connect
-    "round-timeout": 900.0,  # seconds per message exchange; 0: wait forever
-    # local training
-    "local-epochs": 1,
-    "lr": 0.001,
-    "batch-size": 16,  # expected (Poisson) batch size
-    "chunk-len": 128,
-    "num-heads": 4,
-    "max-chunks-per-client": 256,  # 0: all of the partition
-    "local-heldout-fraction": 0.1,  # share of a client's chunks kept for its local evaluation
-    # differential privacy (Opacus, per client, one chunk = one privacy unit)
-    "dp": True,
-    "dp-target-epsilon": 8.0,
-    "dp-delta": 1e-5,
-    "dp-noise-multiplier": 0.0,  # > 0: use this sigma instead of calibrating one to dp-target-epsilon
-    "dp-max-grad-norm": 1.0,
-    "dp-planned-rounds": 0,  # rounds a client plans to take part in (sigma calibration); 0: num-server-rounds
-    "dp-level": "example",  # example: Opacus DP-SGD per chunk | user: clipped client updates + server noise
-    "dp-user-clip": 0.1,  # dp-level=user: L2 bound of one client's update per round
-    "dp-trainable": "all",  # head parameters clients train: all | fusion | blocks
-    "server-optimizer": "fedavg",  # fedavg | fedavgm | fedadam over the mean update (server/server_optimizer.py)
-    "server-lr": 1.0,
-    "server-momentum": 0.9,
-    # secure aggregation (Flower SecAgg+)
-    "secagg": True,
-    "secagg-num-shares": 1.0,  # float: share of the sampled clients; int > 2: a count
-    "secagg-reconstruction-threshold": 0.5,  # float: share of num-shares; int: a count
-    "secagg-clipping-range": 8.0,
-    "secagg-quantization-range": 4194304,
-    "secagg-max-weight": 1000.0,  # client weights (train chunks) are capped at this
-    # data
-    "partitioning": "iid",  # iid | dirichlet | package
-    "dirichlet-alpha": 0.5,
-    "data-source": "stdlib",  # "stdlib" (train split) or a folder of text files shared by the simulation
-    # models, outputs
-    "base-model-dir": "",  # "": the embedded default base
-    "init-heads": "",  # "": fresh heads; else a DraftHeads directory to start from
-    "run-dir": "runs",  # runs/<run-id>/ holds summary.json, rounds/, checkpoints/
-    "run-id": "",  # "": <UTC time>-<Flower run id>
-    "resume-from": "",  # a previous runs/<run-id> folder: continue after its last checkpoint
-    "store-url": "",  # "": $FEDLA_DB or <run-dir>/fedla.db
-    # evaluation
-    "server-eval-chunks": 64,
-    "eval-prompts": 4,
-    "eval-prompt-len": 32,
-    "eval-max-new-tokens": 32,
-    "client-eval-prompts": 2,
-    # simulation and devices
-    "dropout-rate": 0.0,  # simulation only: this share of sampled clients crashes mid-round
-    "client-state-dir": "",  # simulation: persist each client's privacy accountant under here
-    "seed": 0,
-    "device": "cpu",
-}
 
 PARTITIONINGS = ("iid", "dirichlet", "package")
 DP_LEVELS = ("example", "user")
@@ -83,59 +22,88 @@ DP_TRAINABLE = ("all", "fusion", "blocks")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
 
 
+def _knob(default: bool | int | float | str, help: str) -> Any:
+    """A run-config key: its default and the one line of help pyproject.toml repeats."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class FedConfig:
-    num_server_rounds: int
-    clients_per_round: int
-    fraction_train: float
-    min_train_clients: int
-    min_available_clients: int
-    fraction_evaluate: float
-    node_wait_seconds: float
-    round_timeout: float
-    local_epochs: int
-    lr: float
-    batch_size: int
-    chunk_len: int
-    num_heads: int
-    max_chunks_per_client: int
-    local_heldout_fraction: float
-    dp: bool
-    dp_target_epsilon: float
-    dp_delta: float
-    dp_noise_multiplier: float
-    dp_max_grad_norm: float
-    dp_planned_rounds: int
-    dp_level: str
-    dp_user_clip: float
-    dp_trainable: str
-    server_optimizer: str
-    server_lr: float
-    server_momentum: float
-    secagg: bool
-    secagg_num_shares: int | float
-    secagg_reconstruction_threshold: int | float
-    secagg_clipping_range: float
-    secagg_quantization_range: int
-    secagg_max_weight: float
-    partitioning: str
-    dirichlet_alpha: float
-    data_source: str
-    base_model_dir: str
-    init_heads: str
-    run_dir: str
-    run_id: str
-    resume_from: str
-    store_url: str
-    server_eval_chunks: int
-    eval_prompts: int
-    eval_prompt_len: int
-    eval_max_new_tokens: int
-    client_eval_prompts: int
-    dropout_rate: float
-    client_state_dir: str
-    seed: int
-    device: str
+    """Every knob of a federated run; run-config key = field name with `-` for `_`."""
+
+    # rounds and sampling
+    num_server_rounds: int = _knob(3, "federated rounds")
+    clients_per_round: int = _knob(0, "> 0: exactly this many clients per round; 0: fraction-train of the nodes")
+    fraction_train: float = _knob(1.0, "share of nodes sampled per round (when clients-per-round = 0)")
+    min_train_clients: int = _knob(2, "never sample fewer (validated against the node count up front)")
+    min_available_clients: int = _knob(2, "nodes that must be connected before round 1")
+    fraction_evaluate: float = _knob(1.0, "share of nodes that evaluate the new heads each round (0: none)")
+    node_wait_seconds: float = _knob(60.0, "how long to wait for min-available-clients nodes")
+    round_timeout: float = _knob(900.0, "seconds per message exchange (SecAgg+ stage, evaluation); 0: wait forever")
+
+    # local training
+    local_epochs: int = _knob(1, "epochs over the client's chunks per round")
+    lr: float = _knob(0.001, "AdamW learning rate of the heads")
+    batch_size: int = _knob(16, "expected (Poisson-sampled) batch size")
+    chunk_len: int = _knob(128, "tokens per chunk (one chunk = one DP privacy unit)")
+    num_heads: int = _knob(4, "K lookahead heads")
+    max_chunks_per_client: int = _knob(256, "cap on a client's chunks (seeded sample); 0: its whole partition")
+    local_heldout_fraction: float = _knob(0.1, "share of a client's chunks kept for its local evaluation")
+
+    # differential privacy (Opacus on each client, one chunk = one privacy unit, unless dp-level=user)
+    dp: bool = _knob(True, "Opacus DP-SGD on every client")
+    dp_target_epsilon: float = _knob(8.0, "per-client budget after all planned rounds (sigma is calibrated to it)")
+    dp_delta: float = _knob(1e-05, "DP delta")
+    dp_noise_multiplier: float = _knob(0.0, "> 0: fixed sigma instead of calibrating to dp-target-epsilon")
+    dp_max_grad_norm: float = _knob(1.0, "per-chunk gradient clipping bound")
+    dp_planned_rounds: int = _knob(0, "rounds a client plans to join for sigma calibration; 0: num-server-rounds")
+    dp_level: str = _knob("example", "example: Opacus DP-SGD per chunk on each client | user: clipped client updates +"
+                                     " server noise (fl-dp-sa)")
+    dp_user_clip: float = _knob(0.1, "dp-level=user: L2 bound of one client's update per round (Flower's "
+                                     "fixedclipping_mod)")
+    dp_trainable: str = _knob("all", "head parameters trained on clients: all | fusion | blocks (fewer parameters "
+                                     "under noise)")
+
+    # server-side optimiser over the (secure) mean update
+    server_optimizer: str = _knob("fedavg", "fedavg | fedavgm | fedadam over the (secure) mean update "
+                                            "(server/server_optimizer.py)")
+    server_lr: float = _knob(1.0, "server learning rate of fedavgm / fedadam")
+    server_momentum: float = _knob(0.9, "fedavgm momentum; fedadam beta1")
+
+    # secure aggregation (Flower SecAgg+)
+    secagg: bool = _knob(True, "aggregate through Flower SecAgg+ (false: plain FedAvg)")
+    secagg_num_shares: int | float = _knob(1.0, "float: share of the sampled clients; int > 2: a count")
+    secagg_reconstruction_threshold: int | float = _knob(0.5, "float: share of num-shares; int: a count")
+    secagg_clipping_range: float = _knob(8.0, "head weights must stay within +-this (checked by clients and server)")
+    secagg_quantization_range: int = _knob(4194304, "SecAgg+ quantisation levels")
+    secagg_max_weight: float = _knob(1000.0, "client weights (train chunks) are capped at this")
+
+    # data
+    partitioning: str = _knob("iid", "iid | dirichlet | package (whole top-level packages per client)")
+    dirichlet_alpha: float = _knob(0.5, "concentration of the dirichlet partitioning")
+    data_source: str = _knob("stdlib", '"stdlib" (train split) or a folder of text files to partition')
+
+    # models, outputs
+    base_model_dir: str = _knob("", '"": the embedded default base (built on first use)')
+    init_heads: str = _knob("", '"": fresh heads; else a saved DraftHeads folder')
+    run_dir: str = _knob("runs", "runs/<run-id>/ gets summary.json, rounds/, checkpoints/, plot.png")
+    run_id: str = _knob("", '"": <UTC time>-<Flower run id>')
+    resume_from: str = _knob("", "a previous run folder: continue after its last checkpoint")
+    store_url: str = _knob("", '"": $FEDLA_DB, else <run-dir>/fedla.db')
+
+    # evaluation
+    server_eval_chunks: int = _knob(64, "held-out stdlib chunks for server-side per-head accuracy")
+    eval_prompts: int = _knob(4, "held-out stdlib prompts for server-side tau")
+    eval_prompt_len: int = _knob(32, "prompt tokens")
+    eval_max_new_tokens: int = _knob(32, "tokens generated per prompt when measuring tau")
+    client_eval_prompts: int = _knob(2, "prompts per client for client-side tau")
+
+    # simulation and devices
+    dropout_rate: float = _knob(0.0, "simulation only: this share of sampled clients crashes mid-round")
+    client_state_dir: str = _knob("", "simulation: persist client privacy accountants here (devices: node config "
+                                      "state-dir)")
+    seed: int = _knob(0, "seed of sampling and partitioning (never of DP noise)")
+    device: str = _knob("cpu", "cpu | cuda | auto")
 
     @classmethod
     def from_mapping(cls, run_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> FedConfig:
@@ -232,6 +200,11 @@ class FedConfig:
         """Dropouts SecAgg+ survives in a round of `sampled` clients (Flower's own share arithmetic)."""
         shares, threshold = secagg_shares_and_threshold(self, sampled)
         return max(0, min(shares, sampled) - threshold)
+
+
+# Derived from FedConfig, keyed like the run config.
+DEFAULTS: dict[str, bool | int | float | str] = {f.name.replace("_", "-"): f.default for f in fields(FedConfig)}
+HELP: dict[str, str] = {f.name.replace("_", "-"): f.metadata["help"] for f in fields(FedConfig)}
 
 
 def secagg_shares_and_threshold(config: FedConfig, sampled: int) -> tuple[int, int]:

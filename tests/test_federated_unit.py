@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from client.task import PackagePartitioner
 from common.base import FedLookaheadError
 from common.data import stdlib_dir
 from common.features import compute_features
-from common.fedconfig import DEFAULTS, FedConfig
+from common.fedconfig import DEFAULTS, HELP, FedConfig
 from common.heads import DraftHeads
 from common.params import (
     BaseMismatchError,
@@ -40,10 +41,16 @@ from common.training import feature_loader, heads_loss
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_pyproject_run_config_matches_defaults():
-    table = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert table == DEFAULTS
-    assert "federations" not in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]
+def test_pyproject_run_config_is_fedconfig():
+    """Flower reads the defaults from pyproject.toml; FedConfig is their source: same keys, order, values, help."""
+    text = (REPO / "pyproject.toml").read_text()
+    table = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
+    assert table == DEFAULTS and list(table) == list(DEFAULTS)
+    section = text.split("[tool.flwr.app.config]\n", 1)[1].split("\n[", 1)[0]
+    comments = dict(re.findall(r"^([a-z0-9-]+) = .*?  # (.*)$", section, re.M))
+    assert comments == HELP
+    assert FedConfig.from_mapping({}) == FedConfig()  # the dataclass's own defaults are a valid run
+    assert "federations" not in tomllib.loads(text)["tool"]["flwr"]
 
 
 def test_config_rejects_unknown_keys_and_impossible_minimums():
