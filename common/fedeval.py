@@ -7,6 +7,7 @@ import logging
 import torch
 
 from common.base import BaseModel
+from common.decoding import AmsPolicy, generate
 from common.heads import DraftHeads
 
 log = logging.getLogger(__name__)
@@ -17,14 +18,9 @@ def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], 
     """Mean AMS-LD tau (tokens accepted per base forward, bonus token included) over `prompts`.
 
     `ngram=False` switches off the decoder's prompt-lookup drafter, so tau measures the heads alone.
-    None when there is nothing to decode or the decoder (`common.decoding`) is not available.
+    None when there is nothing to decode.
     """
     if not prompts or max_new_tokens <= 0:
-        return None
-    try:
-        from common.decoding import AmsPolicy, generate
-    except ImportError:
-        log.warning("common.decoding is not available yet: tau not measured")
         return None
     try:
         policy = AmsPolicy() if ngram else AmsPolicy(ngram=False)
