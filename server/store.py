@@ -22,14 +22,12 @@ written; what is already stored is untouched.
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 import re
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 from urllib.parse import quote
 
 from sqlalchemy import (
@@ -52,13 +50,15 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from common.protocol import RoundRecord, finite_or_none, integer
+
 DEFAULT_DB_PATH = Path("runs") / "fedla.db"
 RUN_STATUSES = ("running", "finished", "failed")
 FINAL_STATUSES = ("finished", "failed")
 
 # ------------------------------------------------------------------------------------------ schema
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Base(DeclarativeBase):
@@ -104,6 +104,9 @@ class Round(Base):
     tau: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     client_head_accuracy: Mapped[Optional[list]] = mapped_column(JSON, nullable=True)  # added in v2
     client_tau: Mapped[Optional[float]] = mapped_column(Float, nullable=True)  # added in v2
+    tau_heads_only: Mapped[Optional[float]] = mapped_column(Float, nullable=True)  # added in v3
+    traffic: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)  # v3: RoundRecord.bytes
+    seconds: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)  # v3: RoundRecord.seconds
     wall_seconds: Mapped[float] = mapped_column(Float, nullable=False)
     bytes_per_client: Mapped[int] = mapped_column(Integer, nullable=False)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
@@ -169,9 +172,19 @@ def _migrate_1_to_2(conn: Connection) -> None:
     conn.execute(text(f"ALTER TABLE rounds ADD COLUMN client_tau {float_type}"))
 
 
+def _migrate_2_to_3(conn: Connection) -> None:
+    """v3: tau of the heads alone, the byte breakdown and the round's timings, for the dashboard."""
+    json_type = JSON().compile(dialect=conn.dialect)
+    float_type = Float().compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE rounds ADD COLUMN tau_heads_only {float_type}"))
+    conn.execute(text(f"ALTER TABLE rounds ADD COLUMN traffic {json_type}"))
+    conn.execute(text(f"ALTER TABLE rounds ADD COLUMN seconds {json_type}"))
+
+
 # target version -> migration from (target - 1); applied in order when a store opens an older database.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     2: _migrate_1_to_2,
+    3: _migrate_2_to_3,
 }
 assert sorted(MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1)), "every version needs its migration"
 
@@ -210,65 +223,15 @@ def _ensure_schema(engine: Engine) -> None:
 # -------------------------------------------------------------------------------------- validation
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ValueError(" ".join(message.split()))  # always one line
-
-
-def _number(value: Any, name: str, *, allow_inf: bool = False, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
-        _fail(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
-        _fail(f"{name} must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        _fail(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _integer(value: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(f"{name} must be an integer, got {type(value).__name__}")
-    if value < minimum:
-        _fail(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _dict(value: Any, name: str, required: set[str], optional: set[str] = frozenset()) -> dict:
-    if not isinstance(value, dict):
-        _fail(f"{name} must be a dict, got {type(value).__name__}")
-    missing = required - value.keys()
-    unknown = value.keys() - required - optional
-    if missing:
-        _fail(f"{name} is missing {sorted(missing)}")
-    if unknown:
-        _fail(f"{name} has unknown keys {sorted(map(str, unknown))}")
-    return value
-
-
-def _floats(value: Any, name: str, *, optional: bool) -> list[float] | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, (list, tuple)):
-        _fail(f"{name} must be a list of numbers, got {type(value).__name__}")
-    return [_number(v, f"{name}[{i}]") for i, v in enumerate(value)]
-
-
-def _finite_json(value: Any) -> Any:
-    """Strict JSON (PostgreSQL's JSON type has no Infinity/NaN): non-finite floats become "inf"/"-inf"/"nan"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _finite_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_json(item) for item in value]
-    return value
 
 
 def _json_dict(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         _fail(f"{name} must be a dict, got {type(value).__name__}")
-    try:
-        return json.loads(json.dumps(_finite_json(value), allow_nan=False))
+    try:  # strict JSON (PostgreSQL's JSON type has no Infinity/NaN)
+        return json.loads(json.dumps(finite_or_none(value), allow_nan=False))
     except (TypeError, ValueError) as exc:
         _fail(f"{name} is not JSON-serialisable: {exc}")
 
@@ -290,11 +253,6 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat()
 
 
-def _finite_or_none(value: float | None) -> float | None:
-    """JSON has no infinity: an unbounded epsilon (no DP) is reported as null."""
-    return None if value is None or math.isinf(value) or math.isnan(value) else value
-
-
 def _round_dict(row: Round) -> dict:
     part, priv = row.participation, row.privacy
     return {
@@ -306,6 +264,7 @@ def _round_dict(row: Round) -> dict:
             "client_head_accuracy": None if row.client_head_accuracy is None else list(row.client_head_accuracy),
             "client_tau": row.client_tau,
         },
+        "tau_heads_only": row.tau_heads_only,
         "participation": {
             "sampled": part.sampled if part else 0,
             "succeeded": part.succeeded if part else 0,
@@ -313,12 +272,14 @@ def _round_dict(row: Round) -> dict:
             "rejected": [{"reason": r.reason} for r in row.rejected],
         },
         "privacy": {
-            "epsilon_max": _finite_or_none(priv.epsilon_max) if priv else None,
-            "epsilon_mean": _finite_or_none(priv.epsilon_mean) if priv else None,
+            "epsilon_max": finite_or_none(priv.epsilon_max) if priv else None,
+            "epsilon_mean": finite_or_none(priv.epsilon_mean) if priv else None,
             "delta": priv.delta if priv else None,
         },
         "wall_seconds": row.wall_seconds,
         "bytes_per_client": row.bytes_per_client,
+        "bytes": row.traffic,  # None for rounds recorded before v3
+        "seconds": row.seconds,
         "recorded_at": _iso(row.recorded_at),
     }
 
@@ -524,77 +485,53 @@ class RunStore:
                 if attempt:
                     raise
 
-    def record_round(self, run_id: str, round: int, *, metrics: dict, participation: dict, privacy: dict,
-                     wall_seconds: float, bytes_per_client: int) -> None:
-        """Insert or replace one round's aggregates (keyed by run and round), in one transaction."""
-        run_id = _run_id(run_id)
-        round = _integer(round, "round")
-        _dict(metrics, "metrics", {"train_loss", "head_accuracy"}, {"tau", "client_head_accuracy", "client_tau"})
-        train_loss = _number(metrics["train_loss"], "metrics.train_loss")
-        head_accuracy = _floats(metrics["head_accuracy"], "metrics.head_accuracy", optional=False)
-        tau = None if metrics.get("tau") is None else _number(metrics["tau"], "metrics.tau")
-        client_head_accuracy = _floats(metrics.get("client_head_accuracy"), "metrics.client_head_accuracy",
-                                       optional=True)
-        client_tau = None if metrics.get("client_tau") is None else _number(metrics["client_tau"],
-                                                                            "metrics.client_tau")
-        _dict(participation, "participation", {"sampled", "succeeded", "dropped"}, {"rejected"})
-        sampled = _integer(participation["sampled"], "participation.sampled")
-        succeeded = _integer(participation["succeeded"], "participation.succeeded")
-        dropped = _integer(participation["dropped"], "participation.dropped")
-        if succeeded > sampled or dropped > sampled:
-            _fail(f"participation: succeeded ({succeeded}) and dropped ({dropped}) cannot exceed sampled ({sampled})")
-        rejected = participation.get("rejected") or []
-        if not isinstance(rejected, (list, tuple)):
-            _fail(f"participation.rejected must be a list of {{'reason': str}}, got {type(rejected).__name__}")
-        reasons = []
-        for i, item in enumerate(rejected):
-            _dict(item, f"participation.rejected[{i}]", {"reason"})
-            if not isinstance(item["reason"], str) or not item["reason"].strip():
-                _fail(f"participation.rejected[{i}].reason must be a non-empty string")
-            reasons.append(item["reason"][:500])
-        _dict(privacy, "privacy", {"epsilon_max", "epsilon_mean", "delta"})
-        eps_max = _number(privacy["epsilon_max"], "privacy.epsilon_max", allow_inf=True, minimum=0)
-        eps_mean = _number(privacy["epsilon_mean"], "privacy.epsilon_mean", allow_inf=True, minimum=0)
-        delta = _number(privacy["delta"], "privacy.delta", minimum=0)
-        if delta > 1:
-            _fail(f"privacy.delta must be in [0, 1], got {delta}")
-        wall_seconds = _number(wall_seconds, "wall_seconds", minimum=0)
-        bytes_per_client = _integer(bytes_per_client, "bytes_per_client")
+    def record_round(self, run_id: str, record: RoundRecord) -> None:
+        """Insert or replace one round's aggregates (keyed by run and round), in one transaction.
 
+        `record` was checked when it was made (common.protocol.RoundRecord); only its aggregates and
+        rejection reasons are kept, never a client's update."""
+        run_id = _run_id(run_id)
+        if not isinstance(record, RoundRecord):
+            _fail(f"record must be a RoundRecord, got {type(record).__name__}")
         with self._session.begin() as session:
             run = session.get(Run, run_id)
             if run is None:
                 _fail(f"unknown run id {run_id!r}: call start_run first")
             now = _now()
-            row = session.scalar(select(Round).where(Round.run_id == run_id, Round.round == round))
+            row = session.scalar(select(Round).where(Round.run_id == run_id, Round.round == record.round))
             if row is None:
-                row = Round(run_id=run_id, round=round)
+                row = Round(run_id=run_id, round=record.round)
                 session.add(row)
-            row.train_loss, row.head_accuracy, row.tau = train_loss, head_accuracy, tau
-            row.client_head_accuracy, row.client_tau = client_head_accuracy, client_tau
-            row.wall_seconds, row.bytes_per_client, row.recorded_at = wall_seconds, bytes_per_client, now
+            row.train_loss, row.head_accuracy, row.tau = record.train_loss, list(record.head_accuracy), record.tau
+            row.client_head_accuracy = None if record.client_head_accuracy is None else list(record.client_head_accuracy)
+            row.client_tau, row.tau_heads_only = record.client_tau, record.tau_heads_only
+            row.traffic, row.seconds = record.bytes, finite_or_none(record.seconds)
+            row.wall_seconds, row.bytes_per_client, row.recorded_at = record.wall_seconds, record.bytes_per_client, now
             if row.participation is None:
-                row.participation = Participation(sampled=sampled, succeeded=succeeded, dropped=dropped)
+                row.participation = Participation(sampled=record.sampled, succeeded=record.succeeded,
+                                                  dropped=record.dropped)
             else:
-                row.participation.sampled, row.participation.succeeded = sampled, succeeded
-                row.participation.dropped = dropped
+                row.participation.sampled, row.participation.succeeded = record.sampled, record.succeeded
+                row.participation.dropped = record.dropped
             row.rejected.clear()
-            row.rejected.extend(RejectedReply(reason=r) for r in reasons)
+            row.rejected.extend(RejectedReply(reason=item["reason"][:500]) for item in record.rejected)
             if row.privacy is None:
-                row.privacy = Privacy(epsilon_max=eps_max, epsilon_mean=eps_mean, delta=delta)
+                row.privacy = Privacy(epsilon_max=record.epsilon_max, epsilon_mean=record.epsilon_mean,
+                                      delta=record.delta)
             else:
-                row.privacy.epsilon_max, row.privacy.epsilon_mean, row.privacy.delta = eps_max, eps_mean, delta
+                row.privacy.epsilon_max, row.privacy.epsilon_mean = record.epsilon_max, record.epsilon_mean
+                row.privacy.delta = record.delta
             run.updated_at = now
 
     def record_checkpoint(self, run_id: str, round: int, *, head_version: int, path: str, size_bytes: int,
                           sha256: str) -> None:
         """Insert or replace the checkpoint saved after ``round`` (keyed by run and round)."""
         run_id = _run_id(run_id)
-        round = _integer(round, "round")
-        head_version = _integer(head_version, "head_version")
+        round = integer(round, "round")
+        head_version = integer(head_version, "head_version")
         if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
             _fail("path must be a non-empty string")
-        size_bytes = _integer(size_bytes, "size_bytes")
+        size_bytes = integer(size_bytes, "size_bytes")
         if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
             _fail(f"sha256 must be 64 hex digits, got {sha256!r}")
         with self._session.begin() as session:
@@ -674,7 +611,7 @@ class RunStore:
                     "last_round": last.round if last else None,
                     "last_train_loss": last.train_loss if last else None,
                     "last_tau": last.tau if last else None,
-                    "last_epsilon_max": _finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
+                    "last_epsilon_max": finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
                 })
             return out
 

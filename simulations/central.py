@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.fedconfig import FedConfig
     from common.heads import DraftHeads
     from common.training import train_heads
-    from server.federation import ServerEval
+    from server.evaluation import ServerEval
     from simulations.run import load_scenario, parse_sets
 
     scenario = load_scenario(args.scenario)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         report["train_seconds"] = time.perf_counter() - started
         report["train"] = history[-1]
     report["central"] = evaluation.run(heads, base, config, heads_only=True)
-    from server.federation import latest_checkpoint
+    from server.recorder import latest_checkpoint
 
     report["federated"] = {}
     for run_dir in args.compare:

@@ -20,6 +20,7 @@ with warnings.catch_warnings():
 
 from dashboard_data import SECAGG, fill_realistic_run, write_checkpoint
 
+from common.protocol import RoundRecord
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
 from server.store import RunStore
 
@@ -235,10 +236,9 @@ def test_access_log_redacts_token():
 
 def test_unbounded_epsilon_is_null(store):
     store.start_run("nodp", {}, {})
-    store.record_round("nodp", 1, metrics={"train_loss": 3.0, "head_accuracy": [0.1]},
-                       participation={"sampled": 2, "succeeded": 2, "dropped": 0},
-                       privacy={"epsilon_max": math.inf, "epsilon_mean": math.inf, "delta": 0.0},
-                       wall_seconds=1.0, bytes_per_client=10)
+    store.record_round("nodp", RoundRecord(round=1, train_loss=3.0, head_accuracy=[0.1], sampled=2, succeeded=2,
+                                           epsilon_max=math.inf, epsilon_mean=math.inf, wall_seconds=1.0,
+                                           bytes_down_per_client=10))
     client = TestClient(create_app(store))
     assert client.get("/api/runs/nodp/rounds").json()[0]["privacy"]["epsilon_max"] is None
     assert client.get("/runs/nodp").status_code == 200

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.protocol import EvalReply, ReplyError, TrainReply
-from server.federation import REJECTED_CODE, GuardedGrid, HeadsStrategy, client_evaluation, weight_cap
+from server.evaluation import client_evaluation
+from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid, weight_cap
 from server.inprocess import InProcessGrid
+from server.rounds import HeadsStrategy
 
 SHAPES = [("w", (2, 3)), ("b", (3,))]
 NUM_HEADS = 2
@@ -64,10 +66,10 @@ def plain_config(**changes: Any) -> FedConfig:
 def guard_round(replies: list[RecordDict], config: FedConfig | None = None,
                 stage: str | None = None) -> tuple[GuardedGrid, list[Message]]:
     """One train exchange through the real guard: returns it and the replies the workflow would see."""
-    guard = GuardedGrid(grid_of(replies), config or plain_config(), default_timeout=None)
-    guard.shapes, guard.num_heads = SHAPES, NUM_HEADS
+    guard = GuardedGrid(grid_of(replies), config or plain_config(), ExchangeLog(), SHAPES, NUM_HEADS,
+                        default_timeout=None)
     nodes = sorted(guard.get_node_ids())
-    guard.round_log.sampled = nodes
+    guard.exchange.sampled = nodes
     content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(update(0.0)), {}), keep_input=True)
     if stage is not None:
         content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({SecAggKey.STAGE: stage})
@@ -79,7 +81,8 @@ def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | No
     """What default_fit_workflow hands the strategy: the replies without an error, as FitRes."""
     results = [(SimpleNamespace(node_id=r.metadata.src_node_id), compat.recorddict_to_fitres(r.content, keep_input=True))
                for r in replies if not r.has_error()]
-    parameters, _ = HeadsStrategy(config or plain_config(), guard, {}).aggregate_fit(1, results, [])
+    strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {}, random.Random(0))
+    parameters, _ = strategy.aggregate_fit(1, results, [])
     return None if parameters is None else parameters_to_ndarrays(parameters)
 
 
@@ -104,17 +107,17 @@ def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | No
 def test_a_bad_train_reply_is_rejected_with_its_reason_and_the_round_goes_on(num_examples, metrics, reason, caplog):
     guard, replies = guard_round([fit_reply(num_examples, metrics, update(5.0)), fit_reply(10, arrays=update(1.0))])
     assert replies[0].has_error() and replies[0].error.code == REJECTED_CODE
-    assert guard.round_log.rejected == [{"node": FIRST, "reason": reason}]
+    assert guard.exchange.rejected == [{"node": FIRST, "reason": reason}]
     assert f"rejected the reply of node {FIRST}: {reason}" in caplog.text
-    assert not replies[1].has_error() and set(guard.round_log.checked) == {FIRST + 1}
+    assert not replies[1].has_error() and set(guard.exchange.checked) == {FIRST + 1}
     for got in aggregate(guard, replies):
         np.testing.assert_array_equal(got, 1.0)  # only the good update is in the mean
-    assert guard.round_log.client_metrics[FIRST + 1].loss == 2.5
+    assert guard.exchange.client_metrics[FIRST + 1].loss == 2.5
 
 
 def test_a_reply_without_the_fitres_records_is_rejected():
     guard, replies = guard_round([RecordDict({"metrics": MetricRecord({"num-examples": 3})}), fit_reply()])
-    assert replies[0].has_error() and guard.round_log.rejected[0]["reason"] == "reply has no num_examples"
+    assert replies[0].has_error() and guard.exchange.rejected[0]["reason"] == "reply has no num_examples"
     assert not replies[1].has_error()
 
 
@@ -126,8 +129,8 @@ def test_plain_fedavg_caps_a_huge_claimed_weight(max_chunks, cap):
     mean = aggregate(guard, replies, config)
     for got in mean:
         np.testing.assert_allclose(got, cap / (cap + 10), rtol=1e-6)  # not 1.0: that client's own update
-    assert guard.round_log.weights == {FIRST: cap, FIRST + 1: 10}
-    assert guard.round_log.capped == {FIRST: 10**12}
+    assert guard.exchange.weights == {FIRST: cap, FIRST + 1: 10}
+    assert guard.exchange.capped == {FIRST: 10**12}
 
 
 def test_a_round_where_every_client_skipped_keeps_the_heads_and_says_why():
@@ -136,7 +139,7 @@ def test_a_round_where_every_client_skipped_keeps_the_heads_and_says_why():
         del skipped[key]
     guard, replies = guard_round([fit_reply(0, skipped), fit_reply(0, skipped)])
     assert aggregate(guard, replies) is None
-    assert guard.round_log.aggregate_note == "all 2 client(s) skipped training (privacy budget): heads unchanged"
+    assert guard.exchange.aggregate_note == "all 2 client(s) skipped training (privacy budget): heads unchanged"
 
 
 def test_secagg_plaintext_weight_above_max_weight_is_rejected():
@@ -145,7 +148,7 @@ def test_secagg_plaintext_weight_above_max_weight_is_rejected():
     masked.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({SecAggKey.MASKED_PARAMETERS: []})
     guard, replies = guard_round([masked], config, stage=Stage.COLLECT_MASKED_VECTORS)
     assert replies[0].has_error()
-    assert guard.round_log.rejected[0]["reason"] == "weight 1001 above secagg-max-weight 1000"
+    assert guard.exchange.rejected[0]["reason"] == "weight 1001 above secagg-max-weight 1000"
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -227,10 +230,10 @@ def test_fuzzed_train_replies_never_escape_the_guard(num_examples, metrics, arra
     bad_update = arrays != "ok"
     if replies[0].has_error():
         assert parsed is None or bad_update
-        (rejected,) = guard.round_log.rejected
+        (rejected,) = guard.exchange.rejected
         assert rejected["node"] == FIRST and rejected["reason"] and "\n" not in rejected["reason"]
     else:
-        assert parsed is not None and not bad_update and guard.round_log.checked[FIRST] == parsed
+        assert parsed is not None and not bad_update and guard.exchange.checked[FIRST] == parsed
         assert 0 <= parsed.num_examples and all(0 <= a <= 1 for a in parsed.head_accuracy)
         assert parsed.loss is None or math.isfinite(parsed.loss)
     assert not replies[1].has_error()
@@ -249,7 +252,7 @@ def test_fuzzed_secagg_stage_replies_never_escape_the_guard(stage, record, with_
     content = fit_reply() if with_fitres else RecordDict()
     content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(record)
     guard, replies = guard_round([content], FedConfig.from_mapping({"secagg": True}), stage=stage)
-    rejected = [r["reason"] for r in guard.round_log.rejected]
+    rejected = [r["reason"] for r in guard.exchange.rejected]
     assert len(replies) == 1 and (rejected == [] if not replies[0].has_error() else len(rejected) == 1)
 
 

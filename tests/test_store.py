@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from common.protocol import RoundRecord
 from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
 
 SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, "clipping_range": 8.0,
@@ -19,15 +20,16 @@ SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, 
 CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
 
 
-def round_kwargs(r: int, **over) -> dict:
-    kwargs = dict(
-        metrics={"train_loss": 4.0 / r, "head_accuracy": [0.2 + 0.05 * r, 0.1 + 0.03 * r], "tau": 1.0 + 0.1 * r,
-                 "client_head_accuracy": [0.21 + 0.05 * r, 0.12 + 0.03 * r], "client_tau": 1.05 + 0.1 * r},
-        participation={"sampled": 4, "succeeded": 3, "dropped": 1, "rejected": [{"reason": "update norm too large"}]},
-        privacy={"epsilon_max": 0.5 * r, "epsilon_mean": 0.4 * r, "delta": 1e-5},
-        wall_seconds=2.5, bytes_per_client=123_456)
-    kwargs.update(over)
-    return kwargs
+def round_record(r: int, **over) -> RoundRecord:
+    values = dict(
+        round=r, train_loss=4.0 / r, head_accuracy=[0.2 + 0.05 * r, 0.1 + 0.03 * r], tau=1.0 + 0.1 * r,
+        client_head_accuracy=[0.21 + 0.05 * r, 0.12 + 0.03 * r], client_tau=1.05 + 0.1 * r, tau_heads_only=0.9 + 0.1 * r,
+        sampled=4, succeeded=3, dropped=1, rejected=({"node": 7, "reason": "update norm too large"},),
+        epsilon_max=0.5 * r, epsilon_mean=0.4 * r, delta=1e-5, wall_seconds=2.5,
+        bytes_down_per_client=100_000, bytes_up_per_client=23_456, eval_push_bytes_per_client=100_000,
+        fit_seconds=1.5, server_eval_seconds=0.5, client_eval_seconds=0.25, client_train_seconds=3.0)
+    values.update(over)
+    return RoundRecord(**values)
 
 
 @pytest.fixture
@@ -39,9 +41,9 @@ def store(tmp_path) -> RunStore:
 def test_roundtrip_upsert_and_summary(store, tmp_path):
     store.start_run("run-a", CONFIG, SECAGG)
     for r in (1, 2, 3):
-        store.record_round("run-a", r, **round_kwargs(r))
+        store.record_round("run-a", round_record(r))
     # Upsert: round 2 recorded again replaces the row, its participation, rejections and privacy.
-    store.record_round("run-a", 2, **round_kwargs(2, participation={"sampled": 4, "succeeded": 4, "dropped": 0}))
+    store.record_round("run-a", round_record(2, sampled=4, succeeded=4, dropped=0, rejected=()))
     store.record_checkpoint("run-a", 2, head_version=2, path="/ckpt/v2", size_bytes=10, sha256="ab" * 32)
     store.record_checkpoint("run-a", 3, head_version=3, path="/ckpt/v3", size_bytes=11, sha256="CD" * 32)
     store.finish_run("run-a", "finished")
@@ -52,6 +54,10 @@ def test_roundtrip_upsert_and_summary(store, tmp_path):
     assert rounds[0]["participation"]["rejected"] == [{"reason": "update norm too large"}]
     assert rounds[2]["metrics"]["head_accuracy"] == pytest.approx([0.35, 0.19])
     assert rounds[2]["privacy"] == {"epsilon_max": 1.5, "epsilon_mean": pytest.approx(1.2), "delta": 1e-5}
+    # what the dashboard shows beyond the headline numbers: tau of the heads alone, traffic, timings
+    assert rounds[2]["tau_heads_only"] == pytest.approx(1.2) and rounds[2]["bytes_per_client"] == 123_456
+    assert rounds[2]["bytes"] == {"down_per_client": 100_000, "up_per_client": 23_456, "eval_push_per_client": 100_000}
+    assert rounds[2]["seconds"] == {"fit": 1.5, "server_eval": 0.5, "client_eval": 0.25, "client_train_sum": 3.0}
     run = store.get_run("run-a")
     assert run["status"] == "finished" and run["finished_at"] and run["num_rounds"] == 3
     assert run["secagg"] == SECAGG and run["config"] == CONFIG
@@ -73,55 +79,55 @@ def test_roundtrip_upsert_and_summary(store, tmp_path):
 
 def test_resumed_run_keeps_rows(store):
     store.start_run("run-r", CONFIG, SECAGG)
-    store.record_round("run-r", 1, **round_kwargs(1))
+    store.record_round("run-r", round_record(1))
     store.finish_run("run-r", "failed")
     store.start_run("run-r", CONFIG, SECAGG)  # resumed
     run = store.get_run("run-r")
     assert run["status"] == "running" and run["finished_at"] is None and run["num_rounds"] == 1
-    store.record_round("run-r", 2, **round_kwargs(2))
+    store.record_round("run-r", round_record(2))
     assert [r["round"] for r in store.get_rounds("run-r")] == [1, 2]
 
 
 def test_no_dp_epsilon_is_infinite_and_reported_as_null(store, tmp_path):
     store.start_run("nodp", CONFIG, SECAGG)
-    store.record_round("nodp", 1, **round_kwargs(1, privacy={"epsilon_max": math.inf, "epsilon_mean": math.inf,
-                                                             "delta": 0.0}))
+    store.record_round("nodp", round_record(1, epsilon_max=math.inf, epsilon_mean=math.inf, delta=0.0))
     assert store.get_rounds("nodp")[0]["privacy"]["epsilon_max"] is None
     store.write_summary("nodp", tmp_path / "s.json")  # strict JSON, no Infinity
     json.loads((tmp_path / "s.json").read_text())
 
 
 BAD_ROUNDS = [
-    ("metrics", {"train_loss": 1.0}, "metrics is missing ['head_accuracy']"),
-    ("metrics", {"train_loss": "x", "head_accuracy": []}, "metrics.train_loss must be a number"),
-    ("metrics", {"train_loss": math.nan, "head_accuracy": []}, "metrics.train_loss must be finite"),
-    ("metrics", {"train_loss": 1.0, "head_accuracy": [0.1, None]}, "metrics.head_accuracy[1] must be a number"),
-    ("metrics", {"train_loss": 1.0, "head_accuracy": [], "loss": 2}, "metrics has unknown keys ['loss']"),
-    ("participation", {"sampled": 2, "succeeded": 3, "dropped": 0}, "cannot exceed sampled"),
-    ("participation", {"sampled": 2, "succeeded": 1, "dropped": 1, "rejected": [{"why": "x"}]},
-     "participation.rejected[0] is missing ['reason']"),
-    ("participation", [1, 2], "participation must be a dict"),
-    ("privacy", {"epsilon_max": -1, "epsilon_mean": 0, "delta": 0}, "privacy.epsilon_max must be >= 0"),
-    ("privacy", {"epsilon_max": 1, "epsilon_mean": 1, "delta": 2}, "privacy.delta must be in [0, 1]"),
-    ("bytes_per_client", 1.5, "bytes_per_client must be an integer"),
-    ("wall_seconds", -1.0, "wall_seconds must be >= 0"),
+    ("train_loss", "x", "train_loss must be a number"),
+    ("train_loss", math.nan, "non-finite train_loss=nan"),
+    ("head_accuracy", [0.1, None], "head_accuracy[1] must be a number"),
+    ("head_accuracy", [1.5], "out-of-range head_accuracy[0]=1.5: above 1"),
+    ("succeeded", 5, "cannot exceed sampled"),
+    ("rejected", ({"why": "x"},), "rejected[0] must be {'reason': a non-empty string}"),
+    ("epsilon_max", -1, "out-of-range epsilon_max=-1: below 0"),
+    ("delta", 2, "out-of-range delta=2: above 1"),
+    ("bytes_up_per_client", 1.5, "bytes_up_per_client must be an integer"),
+    ("wall_seconds", -1.0, "out-of-range wall_seconds=-1: below 0"),
+    ("round", -1, "out-of-range round=-1: below 0"),
 ]
 
 
 @pytest.mark.parametrize("field,value,message", BAD_ROUNDS)
-def test_bad_input_is_one_line_value_error_and_loses_nothing(store, field, value, message):
+def test_a_bad_round_is_refused_in_one_line_and_loses_nothing(store, field, value, message):
+    """A RoundRecord checks itself when made (common.protocol), so nothing malformed reaches the store."""
     store.start_run("run-b", CONFIG, SECAGG)
-    store.record_round("run-b", 1, **round_kwargs(1))
+    store.record_round("run-b", round_record(1))
     before = store.get_rounds("run-b")
     with pytest.raises(ValueError) as info:
-        store.record_round("run-b", 1, **round_kwargs(1, **{field: value}))
+        store.record_round("run-b", round_record(1, **{field: value}))
     assert message in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="^record must be a RoundRecord, got dict$"):
+        store.record_round("run-b", {"round": 1, "train_loss": 1.0})
     assert store.get_rounds("run-b") == before
 
 
 def test_unknown_run_and_other_bad_calls(store):
     with pytest.raises(ValueError, match=r"^unknown run id 'ghost': call start_run first$"):
-        store.record_round("ghost", 1, **round_kwargs(1))
+        store.record_round("ghost", round_record(1))
     with pytest.raises(ValueError, match="unknown run id"):
         store.record_checkpoint("ghost", 1, head_version=1, path="p", size_bytes=1, sha256="0" * 64)
     with pytest.raises(ValueError, match="unknown run id"):
@@ -133,8 +139,6 @@ def test_unknown_run_and_other_bad_calls(store):
         store.record_checkpoint("run-c", 1, head_version=1, path="p", size_bytes=1, sha256="xyz")
     with pytest.raises(ValueError, match="config is not JSON-serialisable"):
         store.start_run("run-d", {"x": object()}, SECAGG)
-    with pytest.raises(ValueError, match="round must be >= 0"):
-        store.record_round("run-c", -1, **round_kwargs(1))
     assert store.get_run("run-d") is None and store.get_run("run-c")["status"] == "running"
 
 
@@ -168,11 +172,11 @@ CRASHER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
     from server.store import Round, RunStore
-    from tests.test_store import CONFIG, SECAGG, round_kwargs
+    from tests.test_store import CONFIG, SECAGG, round_record
     store = RunStore(sys.argv[1])
     store.start_run("crash", CONFIG, SECAGG)
     for r in (1, 2, 3):
-        store.record_round("crash", r, **round_kwargs(r))
+        store.record_round("crash", round_record(r))
     session = store._session()
     session.begin()
     session.add(Round(run_id="crash", round=4, train_loss=1.0, head_accuracy=[], wall_seconds=0.0,
@@ -190,7 +194,7 @@ def test_crash_mid_round_loses_nothing_committed(tmp_path):
     with RunStore(url) as store:
         assert [r["round"] for r in store.get_rounds("crash")] == [1, 2, 3]
         assert store.get_run("crash")["status"] == "running"
-        store.record_round("crash", 4, **round_kwargs(4))  # the resumed run carries on
+        store.record_round("crash", round_record(4))  # the resumed run carries on
         assert store.get_run("crash")["num_rounds"] == 4
     assert sqlite3.connect(tmp_path / "crash.db").execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
@@ -229,15 +233,16 @@ def test_v1_database_is_upgraded_at_open(tmp_path):
     db.executescript(V1_DDL)
     db.close()
     with RunStore(f"sqlite:///{path}") as store:
-        assert store.schema_version() == SCHEMA_VERSION == 2
+        assert store.schema_version() == SCHEMA_VERSION == 3
         old = store.get_rounds("old")
         assert old[0]["metrics"]["train_loss"] == 2.5 and old[0]["metrics"]["client_tau"] is None
+        assert old[0]["tau_heads_only"] is None and old[0]["bytes"] is None and old[0]["seconds"] is None
         assert old[0]["recorded_at"] == "2025-01-01T00:00:00+00:00"
         store.start_run("old", {"num_rounds": 2}, {"num_shares": 3})  # resume the old run on the new schema
-        store.record_round("old", 2, **round_kwargs(2))
+        store.record_round("old", round_record(2))
         assert store.get_rounds("old")[1]["metrics"]["client_tau"] == pytest.approx(1.25)
     columns = {row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(rounds)")}
-    assert {"client_head_accuracy", "client_tau"} <= columns
+    assert {"client_head_accuracy", "client_tau", "tau_heads_only", "traffic", "seconds"} <= columns
     with RunStore(f"sqlite:///{path}") as store:  # opening again is a no-op
         assert store.schema_version() == SCHEMA_VERSION
 
@@ -257,10 +262,10 @@ def test_newer_or_unversioned_database_is_refused(tmp_path):
 def test_numpy_scalars_and_non_finite_config_values(store):
     np = pytest.importorskip("numpy")
     store.start_run("np", {"dp_target_epsilon": math.inf, "nested": [math.nan]}, SECAGG)
-    assert store.get_run("np")["config"] == {"dp_target_epsilon": "inf", "nested": ["nan"]}
-    store.record_round("np", np.int64(1), **round_kwargs(
-        1, metrics={"train_loss": np.float32(2.5), "head_accuracy": list(np.array([0.5, 0.25], dtype=np.float32))},
-        participation={"sampled": np.int64(3), "succeeded": 3, "dropped": 0}, bytes_per_client=np.int32(7)))
+    assert store.get_run("np")["config"] == {"dp_target_epsilon": None, "nested": [None]}  # strict JSON
+    store.record_round("np", round_record(
+        np.int64(1), train_loss=np.float32(2.5), head_accuracy=list(np.array([0.5, 0.25], dtype=np.float32)),
+        sampled=np.int64(3), succeeded=3, dropped=0, bytes_down_per_client=np.int32(7), bytes_up_per_client=0))
     row = store.get_rounds("np")[0]
     assert row["metrics"]["head_accuracy"] == [0.5, 0.25] and type(row["metrics"]["train_loss"]) is float
     assert row["participation"]["sampled"] == 3 and row["bytes_per_client"] == 7

@@ -119,13 +119,30 @@ class PrivacyOut(BaseModel):
     delta: Optional[float] = None
 
 
+class BytesOut(BaseModel):
+    down_per_client: int = Field(description="heads sent to one sampled client")
+    up_per_client: int = Field(description="one client's (masked) update")
+    eval_push_per_client: int = Field(description="heads pushed to one client for evaluation")
+
+
+class SecondsOut(BaseModel):
+    fit: Optional[float] = Field(None, description="the train exchange (SecAgg+ stages and aggregation)")
+    server_eval: Optional[float] = None
+    client_eval: Optional[float] = None
+    client_train_sum: Optional[float] = Field(None, description="the clients' own training time, summed")
+
+
 class RoundOut(BaseModel):
     round: int
     metrics: MetricsOut
+    tau_heads_only: Optional[float] = Field(None, description="server-side tau of the heads alone, without the "
+                                            "n-gram drafter (measured on the last round)")
     participation: ParticipationOut
     privacy: PrivacyOut
     wall_seconds: float
     bytes_per_client: int
+    bytes: Optional[BytesOut] = Field(None, description="null for rounds recorded before schema v3")
+    seconds: Optional[SecondsOut] = Field(None, description="null for rounds recorded before schema v3")
     recorded_at: datetime
 
 

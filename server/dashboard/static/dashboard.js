@@ -139,15 +139,19 @@
       const reasons = r.participation.rejected.map(function (x) { return x.reason; });
       [r.round, fmt(r.metrics.train_loss, 4),
        r.metrics.head_accuracy.map(function (a) { return fmt(a, 3); }).join(" · "),
-       fmt(r.metrics.tau, 3), fmt(r.metrics.client_tau, 3),
+       fmt(r.metrics.tau, 3), fmt(r.metrics.client_tau, 3), fmt(r.tau_heads_only, 3),
        (r.privacy.epsilon_max === null ? "∞" : fmt(r.privacy.epsilon_max, 3)) + " / " +
          (r.privacy.epsilon_mean === null ? "∞" : fmt(r.privacy.epsilon_mean, 3)),
        r.participation.sampled, r.participation.succeeded, r.participation.dropped].forEach(function (v) {
         tr.appendChild(el("td", v));
       });
       tr.appendChild(el("td", reasons.length ? reasons.length + " (" + reasons.join("; ") + ")" : "0", reasons.length ? "reasons" : ""));
-      tr.appendChild(el("td", fmt(r.wall_seconds, 1)));
-      tr.appendChild(el("td", bytes(r.bytes_per_client)));
+      const s = r.seconds;
+      tr.appendChild(el("td", fmt(r.wall_seconds, 1) +
+        (s ? " (" + [s.fit, s.server_eval, s.client_eval].map(function (v) { return fmt(v, 1); }).join(" / ") + ")" : "")));
+      const b = r.bytes;
+      tr.appendChild(el("td", b ? [b.down_per_client, b.up_per_client, b.eval_push_per_client].map(bytes).join(" / ")
+                                : bytes(r.bytes_per_client)));
       body.appendChild(tr);
     });
   }

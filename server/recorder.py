@@ -1,0 +1,88 @@
+"""Where a run's records go: each `RoundRecord` is written once, here, to every place that keeps it.
+
+Per round: the checkpoint (`checkpoints/round-N/`, and its row in the run store), `rounds/round-N.json`
+(the whole record), the store's round row (what the dashboard reads) and `summary.json` (written from
+the store, so it and the dashboard never disagree). At the end: the run's status and the plot (drawn
+from summary.json).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from common.fedconfig import FedConfig
+from common.heads import WEIGHTS_FILE, DraftHeads
+from common.protocol import RoundRecord, finite_or_none
+from server.store import RunStore
+
+log = logging.getLogger("flwr.fedla.server")
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(round, folder) of the newest complete checkpoint under `run_dir`/checkpoints, None if there is none."""
+    found = []
+    for path in (run_dir / "checkpoints").glob("round-*"):
+        suffix = path.name.removeprefix("round-")
+        if suffix.isdigit() and (path / WEIGHTS_FILE).is_file():
+            found.append((int(suffix), path))
+    return max(found) if found else None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Recorder:
+    """Writes one run's records: `start`, then `record` once per round, then `finish`."""
+
+    def __init__(self, run_dir: Path, run_id: str, store: RunStore) -> None:
+        self.run_dir, self.run_id, self.store = run_dir, run_id, store
+        (run_dir / "rounds").mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    def start(self, config: FedConfig) -> None:
+        """The run's row in the store (a resumed run is set back to running, its rounds kept)."""
+        secagg = {"enabled": config.secagg, "num_shares": config.secagg_num_shares,
+                  "reconstruction_threshold": config.secagg_reconstruction_threshold,
+                  "clipping_range": config.secagg_clipping_range,
+                  "quantization_range": config.secagg_quantization_range, "max_weight": config.secagg_max_weight}
+        self.store.start_run(self.run_id, finite_or_none(config.to_dict()), secagg)
+
+    def describe(self, info: dict[str, Any]) -> None:
+        """run.json: what the run is (config, plan, base, head size), written once it is known."""
+        (self.run_dir / "run.json").write_text(json.dumps(finite_or_none(info), indent=2))
+
+    def record(self, record: RoundRecord, heads: DraftHeads) -> None:
+        """The round's checkpoint, round file, store row and summary, and its one log line."""
+        ckpt_dir = heads.save(self.run_dir / "checkpoints" / f"round-{record.round}")
+        size = sum(p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file())
+        self.store.record_checkpoint(self.run_id, record.round, head_version=heads.config.version, path=str(ckpt_dir),
+                                     size_bytes=size, sha256=file_sha256(ckpt_dir / WEIGHTS_FILE))
+        (self.run_dir / "rounds" / f"round-{record.round}.json").write_text(json.dumps(record.to_json(), indent=2))
+        self.store.record_round(self.run_id, record)
+        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
+        log.info("round %d: %s", record.round, json.dumps(finite_or_none({
+            "tau": record.tau, "acc": list(record.head_accuracy), "train_loss": record.train_loss,
+            "participation": record.to_json()["participation"], "eps_max": record.epsilon_max,
+            "seconds": round(record.wall_seconds, 1)})))
+
+    def finish(self, status: str) -> None:
+        """The run's final status and summary; a finished run also gets its plot."""
+        self.store.finish_run(self.run_id, status)
+        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
+        if status != "finished":
+            return
+        try:
+            from server.report import plot_run
+
+            plot_run(self.run_dir)
+        except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
+            log.warning("could not plot %s: %s", self.run_dir, exc)

@@ -1,0 +1,288 @@
+"""One federated round: the train exchange through Flower's workflow, then both evaluations -> RoundRecord.
+
+Flower 1.42 offers SecAgg+ only in its legacy workflow API (`flwr.server.workflow.SecAggPlusWorkflow`
+with a `LegacyContext` and a legacy `Strategy`); the new `flwr.serverapp.strategy` classes have no
+secure aggregation. So each round runs Flower's own `SecAggPlusWorkflow` (or, with secagg=false,
+`default_fit_workflow`) as its fit step, over a `GuardedGrid` and a `HeadsStrategy` made for that
+round and sharing only that round's `ExchangeLog`. The run's loop (server/federation.py) calls
+`run_round` once per round and hands the record to the recorder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
+from flwr.app import ConfigRecord, Context
+from flwr.common import EvaluateRes, FitIns, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.server_config import ServerConfig
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.server.workflow.default_workflows import default_fit_workflow
+from flwr.serverapp.grid import Grid
+
+from common.base import BaseModel, FedLookaheadError
+from common.fedconfig import FedConfig
+from common.heads import DraftHeads
+from common.params import expected_shapes, heads_config_dict, heads_to_ndarrays, load_ndarrays, validate_update
+from common.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
+from server.evaluation import ServerEval, client_evaluation
+from server.guard import ExchangeLog, GuardedGrid, weight_cap
+
+log = logging.getLogger("flwr.fedla.server")
+
+
+@dataclass
+class RoundContext:
+    """What every round of a run uses: the grid and Flower's client manager, the workflow, the server
+    optimiser, the evaluation data, and the run's random streams and privacy history."""
+
+    grid: Grid
+    context: Context
+    client_manager: ClientManager
+    config: FedConfig
+    base: BaseModel
+    run_id: str
+    server_eval: ServerEval
+    optimizer: Any  # server.server_optimizer: step(current, mean) -> new arrays
+    workflow: SecAggPlusWorkflow | None = None  # None: plain FedAvg (default_fit_workflow)
+    user_dp: dict[str, Any] | None = None  # dp-level=user: server.user_dp's plan
+    sample_rng: random.Random = field(default_factory=random.Random)  # which sampled clients crash (simulation)
+    eval_rng: random.Random = field(default_factory=random.Random)  # which nodes evaluate
+    client_eps: dict[int, float] = field(default_factory=dict)  # node -> its latest cumulative epsilon
+
+
+def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundRecord:
+    """Train (heads become the new global heads when the round aggregates), evaluate, and say what happened."""
+    config = ctx.config
+    started = time.perf_counter()
+    exchange = ExchangeLog()
+    guarded = GuardedGrid(ctx.grid, config, exchange, expected_shapes(heads), heads.num_heads,
+                          default_timeout=config.round_timeout or None)
+    _fit(ctx, guarded, heads, server_round)
+    fit_seconds = time.perf_counter() - started
+
+    eval_started = time.perf_counter()
+    server_metrics = ctx.server_eval.run(heads, ctx.base, config, heads_only=server_round == config.num_server_rounds)
+    server_eval_seconds = time.perf_counter() - eval_started
+    eval_started = time.perf_counter()
+    client_eval = client_evaluation(guarded, heads, config, server_round, sorted(ctx.grid.get_node_ids()), ctx.eval_rng,
+                                    final=server_round == config.num_server_rounds)
+    client_eval_seconds = time.perf_counter() - eval_started
+    return _round_record(config, server_round, exchange, server_metrics, client_eval, ctx.client_eps, heads,
+                         fit_seconds, server_eval_seconds, client_eval_seconds, time.perf_counter() - started)
+
+
+def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_round: int) -> None:
+    """One train exchange through Flower's workflow; on a good aggregate the server optimiser moves `heads`."""
+    config = ctx.config
+    exchange = guarded.exchange
+    strategy: Strategy = HeadsStrategy(config, exchange, guarded.shapes,
+                                       {**heads_config_dict(heads), RUN_KEY: ctx.run_id}, ctx.sample_rng)
+    if ctx.user_dp is not None:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
+        from server.user_dp import wrap_strategy
+        strategy = wrap_strategy(strategy, ctx.user_dp)
+    legacy = LegacyContext(context=ctx.context, config=ServerConfig(num_rounds=config.num_server_rounds),
+                           strategy=strategy, client_manager=ctx.client_manager)
+    current = heads_to_ndarrays(heads)
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
+        ndarrays_to_parameters(current), keep_input=True)
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+        {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()})
+    log.info("[ROUND %d/%d] %s", server_round, config.num_server_rounds,
+             "SecAgg+ FedAvg" if config.secagg else "plain FedAvg")
+    (ctx.workflow or default_fit_workflow)(guarded, legacy)
+    if exchange.aggregated:
+        new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+        load_ndarrays(heads, ctx.optimizer.step(current, parameters_to_ndarrays(new)))  # issue 12
+        heads.config.version = server_round
+    elif not exchange.aggregate_note:
+        exchange.aggregate_note = ("SecAgg+ aborted: too few clients answered for the reconstruction "
+                                   "threshold" if config.secagg else "no aggregate")
+    if not exchange.aggregated:
+        log.warning("round %d: global heads unchanged (%s)", server_round, exchange.aggregate_note)
+
+
+class HeadsStrategy(Strategy):
+    """FedAvg of head weights, weighted by train chunks capped at `weight_cap`; budget-skipped replies
+    (weight 0) add nothing, and a round where every client skipped keeps the heads and says so.
+
+    It reads only what the guard checked (`ExchangeLog.checked`), never the raw FitRes metrics. Under
+    SecAgg+ the workflow has already computed the weighted mean: every result carries it, and this
+    strategy only records the plaintext metrics. In plain mode it computes the mean itself. One strategy
+    serves one round: it writes that round's `exchange`; `rng` (dropout simulation) is the run's.
+    """
+
+    def __init__(self, config: FedConfig, exchange: ExchangeLog, shapes: list[tuple[str, tuple[int, ...]]],
+                 fit_config: dict[str, Any], rng: random.Random) -> None:
+        self.config = config
+        self.exchange = exchange
+        self.shapes = shapes
+        self.fit_config = fit_config
+        self.rng = rng
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
+        available = client_manager.num_available()
+        deadline = time.monotonic() + self.config.node_wait_seconds
+        while available < self.config.min_train_clients and time.monotonic() < deadline:
+            time.sleep(1.0)  # nodes left since round 1: give them node-wait-seconds to come back
+            available = client_manager.num_available()
+        if available < self.config.min_train_clients:
+            raise FedLookaheadError(f"round {server_round}: only {available} node(s) connected, fewer than "
+                                    f"min-train-clients ({self.config.min_train_clients})")
+        wanted = min(self.config.clients_this_round(available), available)
+        # min_num_clients = what is there: Flower's sample() would otherwise block for up to a day
+        clients = client_manager.sample(num_clients=wanted, min_num_clients=wanted)
+        log_ = self.exchange
+        log_.sampled = [c.node_id for c in clients]
+        failing: set[int] = set()
+        if self.config.dropout_rate > 0:  # simulation: exactly this share of the sampled clients crashes
+            count = int(round(self.config.dropout_rate * len(clients)))
+            failing = {c.node_id for c in self.rng.sample(clients, count)}
+            log_.induced_failures = sorted(failing)
+        instructions = []
+        for client in clients:
+            config = dict(self.fit_config, **{ROUND_KEY: server_round})
+            if client.node_id in failing:
+                config[FAIL_KEY] = True
+            instructions.append((client, FitIns(parameters, config)))
+        return instructions
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures):
+        log_ = self.exchange
+        cap = weight_cap(self.config)
+        weighted: list[tuple[FitRes, int]] = []
+        for proxy, res in results:
+            reply = log_.checked.get(proxy.node_id)
+            if reply is None:  # cannot happen: the guard turned every unchecked reply into an error
+                log.error("round %s: node %s reached aggregation unchecked; ignored", server_round, proxy.node_id)
+                continue
+            weight = min(reply.num_examples, cap)
+            if weight < reply.num_examples:
+                log_.capped[proxy.node_id] = reply.num_examples
+                log.warning("round %s: node %s claims weight %d, capped at %d", server_round,
+                            proxy.node_id, reply.num_examples, cap)
+            log_.client_metrics[proxy.node_id] = reply
+            log_.weights[proxy.node_id] = weight
+            weighted.append((res, weight))
+        total = sum(w for _, w in weighted)
+        if not weighted:
+            log_.aggregate_note = "no client result to aggregate"
+            return None, {}
+        if total <= 0:  # weight 0 only with skipped=1 (the protocol rejects anything else)
+            log_.aggregate_note = (f"all {len(weighted)} client(s) skipped training (privacy budget): "
+                                   "heads unchanged")
+            return None, {}
+        if self.config.secagg:
+            arrays = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
+        else:
+            arrays = _weighted_mean(weighted, total)
+        reason = validate_update([np.asarray(a, dtype=np.float32) for a in arrays], self.shapes,
+                                 self.config.secagg_clipping_range * (1 + 1e-6))
+        if reason:
+            log.error("round %s: aggregate rejected, heads unchanged: %s", server_round, reason)
+            log_.aggregate_note = f"aggregate rejected: {reason}"
+            return None, {}
+        log_.aggregated = True
+        return ndarrays_to_parameters([np.asarray(a, dtype=np.float32) for a in arrays]), {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []  # client evaluation is sent by the loop (native messages), not by a legacy workflow
+
+    def aggregate_evaluate(self, server_round, results: list[tuple[ClientProxy, EvaluateRes]], failures):
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters):
+        return None  # the loop evaluates centrally itself, with the decoder
+
+
+def _weighted_mean(weighted: list[tuple[FitRes, int]], total: int) -> list[np.ndarray]:
+    """The mean of the updates, each weighted by its (capped) weight over `total`."""
+    per_client = [(parameters_to_ndarrays(res.parameters), weight) for res, weight in weighted if weight]
+    out = []
+    for index in range(len(per_client[0][0])):
+        acc = np.zeros(per_client[0][0][index].shape, dtype=np.float64)
+        for arrays, weight in per_client:
+            acc += arrays[index].astype(np.float64) * (weight / total)
+        out.append(acc.astype(np.float32))
+    return out
+
+
+def _round_record(config: FedConfig, server_round: int, exchange: ExchangeLog, server_metrics: dict,
+                  client_eval: dict, client_eps: dict[int, float], heads: DraftHeads, fit_seconds: float,
+                  server_eval_seconds: float, client_eval_seconds: float, wall_seconds: float) -> RoundRecord:
+    replies = exchange.client_metrics  # node -> TrainReply, checked by the guard
+    trained = {n: r for n, r in replies.items() if r.trained}
+    skipped = {n: r.skip_reason for n, r in replies.items() if r.skipped}
+    for node, reply in replies.items():
+        if reply.epsilon is not None:
+            client_eps[node] = reply.epsilon
+    chunks = {n: float(exchange.weights.get(n) or 1) for n in trained}
+    total = sum(chunks.values())
+    if trained and total > 0:
+        train_loss = sum(r.loss * chunks[n] for n, r in trained.items()) / total
+        train_acc = [sum((r.head_accuracy[k] if k < len(r.head_accuracy) else 0.0) * chunks[n]
+                         for n, r in trained.items()) / total for k in range(heads.num_heads)]
+        loss_source = "clients"
+    else:
+        train_loss, train_acc, loss_source = server_metrics["loss"], None, "server-eval (no client trained)"
+    eps_values = list(client_eps.values())
+    if not config.dp:
+        eps_max = eps_mean = math.inf
+    else:
+        eps_max = max(eps_values) if eps_values else 0.0
+        eps_mean = sum(eps_values) / len(eps_values) if eps_values else 0.0
+    sampled = len(exchange.sampled)
+    rejected_nodes = {r["node"] for r in exchange.rejected}
+    succeeded = len(replies)  # replies that reached aggregation (none when SecAgg+ aborted)
+    dropped = max(0, sampled - succeeded - len(rejected_nodes))
+    down = exchange.bytes_down
+    up = exchange.bytes_up
+    bytes_down = int(sum(down) / len(down)) if down else 0
+    bytes_up = int(sum(up) / len(up)) if up else 0
+    return RoundRecord(
+        round=server_round,
+        head_version=heads.config.version,
+        aggregated=exchange.aggregated,
+        aggregate_note=exchange.aggregate_note,
+        train_loss=float(train_loss),
+        head_accuracy=server_metrics["head_accuracy"],
+        tau=server_metrics["tau"],
+        client_head_accuracy=client_eval.get("head_accuracy"),
+        client_tau=client_eval.get("tau"),
+        loss_source=loss_source,
+        train_head_accuracy=train_acc,
+        server_eval_loss=server_metrics["loss"],
+        tau_heads_only=server_metrics.get("tau_heads_only"),
+        sampled=sampled, succeeded=succeeded, dropped=dropped,
+        rejected=tuple(exchange.rejected),
+        failures={str(n): r for n, r in exchange.failures.items() if n not in rejected_nodes},
+        induced_failures=tuple(exchange.induced_failures), skipped_budget={str(n): r for n, r in skipped.items()},
+        weights={str(n): w for n, w in exchange.weights.items()},
+        capped_weights={str(n): w for n, w in exchange.capped.items()},
+        client_eval=client_eval,
+        epsilon_max=eps_max, epsilon_mean=eps_mean, delta=config.dp_delta if config.dp else 0.0,
+        target_epsilon=config.dp_target_epsilon if config.dp else None,
+        epsilon_this_round={str(n): r.epsilon for n, r in replies.items() if r.epsilon is not None},
+        noise_multiplier=tuple(sorted({r.noise_multiplier for r in replies.values()})),
+        q=tuple(sorted({r.q for r in replies.values()})),
+        no_amplification_clients=sum(int(r.no_amplification) for r in replies.values()),
+        bytes_down_per_client=bytes_down, bytes_up_per_client=bytes_up,
+        eval_push_bytes_per_client=client_eval.get("push_bytes_per_client", 0),
+        wall_seconds=wall_seconds, fit_seconds=fit_seconds, server_eval_seconds=server_eval_seconds,
+        client_eval_seconds=client_eval_seconds, client_train_seconds=sum(r.train_seconds for r in replies.values()),
+    )
