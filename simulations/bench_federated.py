@@ -70,7 +70,7 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
     from client.client_app import app as client_app
     from common.fedconfig import FedConfig
     from server.federation import run_federation
-    from server.inprocess import InProcessGrid
+    from simulations.inprocess import InProcessGrid
 
     with tempfile.TemporaryDirectory(prefix="fedla-bench-") as tmp:
         run_config = dict(config_overrides, secagg=secagg, **{

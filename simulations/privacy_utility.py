@@ -17,7 +17,7 @@ The scenario (simulations/scenarios/privacy-utility.toml describes the same sett
 
 Every federated configuration runs the product's own code path: the real ServerApp loop
 (`server.federation.run_federation`: Flower's SecAgg+ workflow, the guard, the server optimiser) over
-`server.inprocess.InProcessGrid` with the real ClientApp (`client.client_app.app`: Opacus DP-SGD with
+`simulations.inprocess.InProcessGrid` with the real ClientApp (`client.client_app.app`: Opacus DP-SGD with
 the accountant composed over all rounds, `client/privacy.py`). Only the heads' evaluation is local to
 this script. Configurations:
 
@@ -154,7 +154,7 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
     from client.client_app import app
     from common.fedconfig import FedConfig
     from server.federation import run_federation
-    from server.inprocess import InProcessGrid
+    from simulations.inprocess import InProcessGrid
 
     config = dict(run_config, **{"run-id": f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"})
     grid = InProcessGrid(app, clients, config)

@@ -9,7 +9,7 @@ The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.p
 flwr.log and prints the per-round table.
 
 Options: --set k=v (more run-config overrides, TOML values), --rounds N, --run-id ID,
---inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over server.inprocess.InProcessGrid,
+--inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over simulations.inprocess.InProcessGrid,
 clients one after another), --timeout SECONDS.
 """
 
@@ -127,7 +127,7 @@ def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
     from client.client_app import app as client_app
     from common.fedconfig import FedConfig
     from server.federation import run_federation
-    from server.inprocess import InProcessGrid
+    from simulations.inprocess import InProcessGrid
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
@@ -23,7 +25,9 @@ from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.params import heads_to_ndarrays
 from server.federation import run_federation
-from server.inprocess import InProcessGrid
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
+from simulations.inprocess import InProcessGrid  # noqa: E402
 
 
 @pytest.fixture

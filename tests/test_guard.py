@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import random
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -24,8 +26,10 @@ from common.heads import DraftHeads
 from common.protocol import EvalReply, ReplyError, TrainReply
 from server.evaluation import client_evaluation
 from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid, weight_cap
-from server.inprocess import InProcessGrid
 from server.rounds import HeadsStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
+from simulations.inprocess import InProcessGrid  # noqa: E402
 
 SHAPES = [("w", (2, 3)), ("b", (3,))]
 NUM_HEADS = 2

@@ -28,12 +28,12 @@ from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.params import heads_to_ndarrays
 from server.federation import run_federation
-from server.inprocess import InProcessGrid
 from server.server_optimizer import ServerOptimizer
 from server.user_dp import user_epsilon, user_noise_multiplier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts
 from simulations import privacy_utility  # noqa: E402
+from simulations.inprocess import InProcessGrid  # noqa: E402
 
 
 @pytest.fixture(scope="module")
