@@ -97,7 +97,8 @@ class ClientDaemon:
             # flower-supernode 1.42 does not always exit after this (its runtime API thread keeps the
             # process alive, disconnected): the daemon ends it and starts a new one
             self.gave_up_at = time.monotonic()
-        elif name == "error":
+        elif name == "error" and self.connected_this_start and not self.gone_announced:
+            # errors while connected (a ClientApp failing); connection errors are the policy's lines' detail
             self.emit(f"supernode: {value}")
 
     def _write_status(self, status: str, **extra) -> None:
