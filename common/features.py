@@ -47,6 +47,10 @@ class Features:
     def subset(self, index: torch.Tensor | slice) -> Features:
         return Features(self.tokens[index], self.hidden[index], self.greedy[index])
 
+    def __add__(self, other: Features) -> Features:
+        return Features(torch.cat([self.tokens, other.tokens]), torch.cat([self.hidden, other.hidden]),
+                        torch.cat([self.greedy, other.greedy]))
+
     def dataset(self) -> TensorDataset:
         """One row per chunk (hidden, tokens, greedy): one DP privacy unit per row."""
         return TensorDataset(self.hidden, self.tokens, self.greedy)

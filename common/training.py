@@ -194,14 +194,16 @@ def fit_heads(
     followed by the base's own greedy continuation (common/distill.py).
     """
     started = time.perf_counter()
+    distilled = chunks[:0]
     if distill_chunks:
         prompts = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed))[:distill_chunks]]
         half = chunks.shape[1] // 2
-        chunks = torch.cat([chunks, greedy_continuations(base, prompts[:, :half], chunks.shape[1] - half,
-                                                         progress=show_progress)])
+        distilled = greedy_continuations(base, prompts[:, :half], chunks.shape[1] - half, progress=show_progress)
     distill_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    features = base_features(base, chunks, progress=show_progress)
+    features = base_features(base, chunks, progress=show_progress)  # its own cache entry: reused without distillation
+    if len(distilled):
+        features = features + base_features(base, distilled, progress=show_progress)
     heldout_features = base_features(base, heldout, progress=show_progress)
     feature_seconds = time.perf_counter() - started
     draft_vocab = build_draft_vocab(base, features, draft_vocab_size) if draft_vocab_size else []
@@ -219,7 +221,7 @@ def fit_heads(
         "draft_vocab": heads.config.draft_size,
         "draft_vocab_coverage_heldout": round(coverage(draft_vocab, heldout_features), 4),
         "train_chunks": len(features),
-        "distill_chunks": min(distill_chunks, len(features)),
+        "distill_chunks": len(distilled),
         "distill_seconds": round(distill_seconds, 1),
         "chunk_len": int(chunks.shape[1]),
         "feature_dtype": str(fast_feature_dtype(base.device)).removeprefix("torch."),
