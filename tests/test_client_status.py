@@ -17,6 +17,7 @@ from client.daemon.readiness import prepare
 from client.privacy import LEDGER_FILE, TRAINED_MARKER, Ledger, PrivacyState, epsilon_of, save_ledger
 from client.state import keep_global_heads, record_event
 from client.status import device_status, forget, format_status
+from common.base import FedLookaheadError
 from common.cli import app
 from common.data import stdlib_dir
 from common.default_model import cache_root
@@ -145,3 +146,28 @@ def test_forget_wipes_private_caches_and_keeps_the_ledger(device):
     after = device_status(state)
     assert after["privacy"]["trusted"] and after["privacy"]["epsilon"] == epsilon  # the spending is not forgotten
     assert forget(state, yes=True).startswith("forgot nothing")
+
+
+def test_forget_refuses_while_the_daemon_runs(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    state = tmp_path / "state"
+    (state / "chunks").mkdir(parents=True)
+    (state / "chunks" / "x.pt").write_bytes(b"private")
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "fedla", "client"])
+    cmdline = Path(f"/proc/{daemon.pid}/cmdline")
+    for _ in range(100):  # until the child has exec'd (before, its command line is pytest's)
+        if b"fedla" in cmdline.read_bytes():
+            break
+        time.sleep(0.05)
+    try:
+        (state / "daemon.json").write_text(json.dumps({"status": "connected", "pid": daemon.pid}))
+        with pytest.raises(FedLookaheadError, match="stop it first"):
+            forget(state, yes=True)
+        assert (state / "chunks" / "x.pt").exists()
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert forget(state, yes=True).startswith("forgot chunks/")  # its pid is gone: a stale daemon.json
