@@ -311,8 +311,8 @@ def ensure_public_heads(path: Path | None, base, scale: Scale, cache: Path) -> P
 
 
 def round_floats(value):
-    if isinstance(value, float):
-        return round(value, 4) if math.isfinite(value) else None
+    if isinstance(value, float):  # 5 significant digits (a delta of 1e-5 must survive)
+        return float(f"{value:.5g}") if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: round_floats(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -338,8 +338,15 @@ def plot(result: dict, path: Path) -> Path:
         for name, style in (("public_only", "k--"), ("federated_nodp", "b:"), ("central_nodp", "g-.")):
             if name in result:
                 ax.axhline(value(result[name]), linestyle=style[1:], color=style[0], label=name)
+        shown = [value(result["dp"][e]) for e in eps] + [value(result[n]) for n in ("public_only", "central_nodp")
+                                                          if n in result]
+        low, high = min(shown), max(shown)
         for name, entry in result.get("user_dp", {}).items():
-            ax.plot([float(name)], [value(entry)], "r^", label="federated DP (user level)")
+            if value(entry) >= low - (high - low):
+                ax.plot([float(name)], [value(entry)], "r^", label="federated DP (user level)")
+            else:  # far below the rest: a note instead of an axis that flattens the curve
+                ax.annotate(f"user-level DP eps {name}: {value(entry):.3f} (off scale)", xy=(0.02, 0.02),
+                            xycoords="axes fraction", fontsize=7, color="r")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="epsilon (delta 1e-5, all rounds)", title=label)
         ax.legend(fontsize=7)
