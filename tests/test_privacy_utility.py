@@ -26,7 +26,7 @@ from common.data import stdlib_dir
 from common.features import base_features
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
-from common.params import heads_to_ndarrays
+from common.params import heads_config_dict, heads_to_ndarrays
 from server.federation import run_federation
 from server.server_optimizer import ServerOptimizer
 from server.user_dp import user_epsilon, user_noise_multiplier
@@ -204,6 +204,20 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(tiny_
     assert plan["noise_std"] == pytest.approx(expected_std)
     assert abs(float(noise.mean())) < 0.05 * expected_std
     assert float(noise.std()) == pytest.approx(expected_std, rel=0.05)
+
+
+def test_a_device_keeps_its_own_dp_sgd_when_a_run_asks_for_user_level(tiny_base, tiny_base_dir, tmp_path, one_thread):
+    """User-level DP trusts the server with the noise; a device (state-dir: its own privacy floor) never
+    does, so it still trains with Opacus DP-SGD and reports its epsilon."""
+    node_config = {"state-dir": str(tmp_path / "state"), "partition-id": 0, "num-partitions": 1}
+    run_config = {"base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"), "chunk-len": 32,
+                  "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "dp-level": "user"}
+    context = Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config=run_config)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    fit_config = {**heads_config_dict(heads), "fedla-run-id": "user-level-run", "server-round": 1}
+    metrics = train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
+    assert metrics["skipped"] == 0 and metrics["dp"] == 1 and metrics["noise-multiplier"] > 0
+    assert 0 < metrics["epsilon"] < math.inf
 
 
 # ------------------------------------------------------------------------------ tricks
