@@ -38,6 +38,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 from flwr.serverapp.grid import Grid
+from flwr.supercore.run import Run
 
 from common.fedconfig import FedConfig
 from common.params import validate_masked, validate_update
@@ -103,23 +104,24 @@ class GuardedGrid(Grid):
         self.default_timeout = default_timeout
 
     # -- delegation
-    def set_run(self, run) -> None:
+    def set_run(self, run: Run) -> None:
         self._grid.set_run(run)
 
     @property
-    def run(self):
+    def run(self) -> Run:
         return self._grid.run
 
-    def create_message(self, *args, **kwargs):
-        return self._grid.create_message(*args, **kwargs)
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
     def get_node_ids(self) -> Iterable[int]:
         return self._grid.get_node_ids()
 
-    def push_messages(self, messages):
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         return self._grid.push_messages(messages)
 
-    def pull_messages(self, message_ids):
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self._grid.pull_messages(message_ids)
 
     # -- guarded exchange

@@ -135,7 +135,8 @@ class HeadsStrategy(Strategy):
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return None
 
-    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         available = client_manager.num_available()
         deadline = time.monotonic() + self.config.node_wait_seconds
         while available < self.config.min_train_clients and time.monotonic() < deadline:
@@ -162,7 +163,8 @@ class HeadsStrategy(Strategy):
             instructions.append((client, FitIns(parameters, config)))
         return instructions
 
-    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures):
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                      failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
         log_ = self.exchange
         cap = weight_cap(self.config)
         weighted: list[tuple[FitRes, int]] = []
@@ -200,13 +202,15 @@ class HeadsStrategy(Strategy):
         log_.aggregated = True
         return ndarrays_to_parameters([np.asarray(a, dtype=np.float32) for a in arrays]), {}
 
-    def configure_evaluate(self, server_round, parameters, client_manager):
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list[Any]:
         return []  # client evaluation is sent by the loop (native messages), not by a legacy workflow
 
-    def aggregate_evaluate(self, server_round, results: list[tuple[ClientProxy, EvaluateRes]], failures):
+    def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
+                           failures: list[Any]) -> tuple[float | None, dict[str, Any]]:
         return None, {}
 
-    def evaluate(self, server_round: int, parameters: Parameters):
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
         return None  # the loop evaluates centrally itself, with the decoder
 
 
