@@ -102,14 +102,13 @@ class Stopper:
         stop_strings: Sequence[str],
         degeneration_guard: bool,
         room: int,
-        guard: DegenerationGuard | None = None,
     ) -> None:
         self.eos = eos_ids(base)
         self.limit = min(max_new_tokens, room)
         self.limit_reason = "max_new_tokens" if max_new_tokens <= room else "context"
         self.stop_strings = [s for s in stop_strings if s]
         self.tokenizer = base.tokenizer
-        self.guard = (guard or DegenerationGuard()) if degeneration_guard else None
+        self.guard = DegenerationGuard() if degeneration_guard else None
         self.tail_tokens = 8 + 2 * max((len(s) for s in self.stop_strings), default=0)
 
     def admit(self, tokens: list[int], new: Sequence[int]) -> str | None:
