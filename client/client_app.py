@@ -27,20 +27,14 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from client import state as device_state
+from common.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
 
 # torch, transformers, Opacus and datasets are imported inside the handlers, not here: a deployed
 # SuperNode starts one ClientApp process per message, and the SecAgg+ key-exchange and unmasking
 # stages (handled by the mod alone) would otherwise pay ~7 s of imports each on a small CPU.
-HEADS_RECORD = "heads"  # = common.params.HEADS_RECORD
-HEADS_CONFIG_RECORD = "heads-config"  # = common.params.HEADS_CONFIG_RECORD
 if TYPE_CHECKING:
     from common.fedconfig import FedConfig
 
-
-# Keys the server adds to the train config next to the heads' own (common.params)
-ROUND = "server-round"
-RUN_KEY = "fedla-run-id"
-FAIL = "simulate-failure"  # simulation only: the server picked this client to crash mid-round
 
 
 class SimulatedDropout(RuntimeError):
@@ -83,8 +77,8 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
 
     config = client_config(context)
-    if fit_config.get(FAIL):
-        raise SimulatedDropout(f"simulated dropout in round {fit_config.get(ROUND)} (dropout-rate={config.dropout_rate})")
+    if fit_config.get(FAIL_KEY):
+        raise SimulatedDropout(f"simulated dropout in round {fit_config.get(ROUND_KEY)} (dropout-rate={config.dropout_rate})")
     base = cached_base(config)
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
@@ -166,7 +160,7 @@ def evaluate(msg: Message, context: Context) -> Message:
                                  batch_size=config.batch_size)
         metrics["loss"] = float(summary["loss"])
         metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
-        measure = bool(msg.content[HEADS_CONFIG_RECORD].get("measure-tau", True))
+        measure = bool(msg.content[HEADS_CONFIG_RECORD].get(MEASURE_TAU, True))
         tau = decode_tau(base, heads, chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
                          config.eval_max_new_tokens) if measure else None
         if tau is not None:

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from common.protocol import ROUND_KEY, RUN_KEY
+
 log = logging.getLogger("fedla.client")
 
 STATE_DIR_KEY = "state-dir"
@@ -176,9 +178,6 @@ def _prune(heads_root: Path, keep: Path) -> None:
 
 
 # ------------------------------------------------------------------ hooks called by client.client_app
-
-ROUND_KEY = "server-round"
-RUN_KEY = "fedla-run-id"
 
 
 def train_started(context, fit_config: Mapping[str, Any], heads) -> None:

@@ -229,13 +229,6 @@ def test_node_config_carries_the_device_settings(tmp_path, monkeypatch):
         True, 3.5, "cpu", str((tmp_path / "b").resolve()))
 
 
-def test_client_app_record_names_match_the_wire_format():
-    import client.client_app as client_app
-    import common.params as params
-
-    assert (client_app.HEADS_RECORD, client_app.HEADS_CONFIG_RECORD) == (params.HEADS_RECORD, params.HEADS_CONFIG_RECORD)
-
-
 def test_global_heads_are_kept_by_version_and_published(tmp_path, tiny_base):
     from common.decoding import load_heads
     from common.heads import DraftHeads
