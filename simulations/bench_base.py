@@ -5,7 +5,9 @@
 Reports the one-off conversion time (from the base folder's fedla_build.json), the process's resident
 memory with the base loaded, transformers' greedy `generate` tokens/s at 1 and 2 CPU threads (4
 held-out prompts x 64 new tokens), and the verify cost curve c(n)/c(1) (one base forward over n new
-tokens after a 256-token KV cache, LM head over one row) at 1 and 2 threads.
+tokens after a 256-token KV cache, LM head over one row) at 1 and 2 threads, for each dtype asked
+for (`--dtypes fp32,bf16`). The quality cost of a dtype is its mean next-token loss on 32 held-out
+chunks of 128 tokens, and how often its greedy choice agrees with fp32's there.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from common.base import load_base
-from common.data import prompts_from_files, stdlib_files
+from common.base import BaseModel, load_base
+from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.decoding.calibration import measure_cost_curve
 from common.default_model import ensure_default_base
 
@@ -37,33 +39,68 @@ def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int
     return tokens / seconds
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@torch.no_grad()
+def heldout_quality(base: BaseModel, chunks: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Mean next-token cross-entropy over `chunks`, and the greedy choice at every position."""
+    losses, greedy = [], []
+    for chunk in chunks:
+        logits = base.model(input_ids=chunk.view(1, -1)).logits[0].float()
+        losses.append(torch.nn.functional.cross_entropy(logits[:-1], chunk[1:]))
+        greedy.append(logits.argmax(-1))
+    return float(torch.stack(losses).mean()), torch.stack(greedy)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("runs/bench-base.json"))
+    parser.add_argument("--dtypes", default="fp32", help="Comma-separated: fp32, bf16, fp16.")
     args = parser.parse_args(argv)
-    base = load_base(ensure_default_base(), device="cpu")
-    build = json.loads((base.path / "fedla_build.json").read_text())
-    prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, 4, 64)
-    generate_tokens_per_s(base, prompts[:1], 8)  # warm-up
-    result = {"base": str(base.path), "parameters": build["parameters"], "convert_seconds": build["convert_seconds"],
-              "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "threads": {}}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        curve = measure_cost_curve(base)
-        result["threads"][threads] = {
-            "generate_tokens_per_s": round(generate_tokens_per_s(base, prompts, 64), 1),
-            "one_token_ms": round(curve.verify(1, 1) * 1000, 1),
-            "cost_relative": curve.relative(),
-        }
+    dtypes = args.dtypes.split(",")
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtypes {sorted(unknown)}: use {', '.join(DTYPES)}")
+    path = ensure_default_base()
+    build = json.loads((path / "fedla_build.json").read_text())
+    result = {"base": str(path), "parameters": build["parameters"], "convert_seconds": build["convert_seconds"],
+              "dtypes": {}}
+    reference_greedy = None
+    for name in dict.fromkeys(["fp32", *dtypes]):  # fp32 first: the reference for greedy agreement
+        base = load_base(path, device="cpu", dtype=DTYPES[name])
+        prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, 4, 64)
+        chunks = chunk_files(stdlib_files("heldout"), base.tokenizer, 128)
+        chunks = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:32]]
+        loss, greedy = heldout_quality(base, chunks)
+        reference_greedy = greedy if reference_greedy is None else reference_greedy
+        generate_tokens_per_s(base, prompts[:1], 8)  # warm-up
+        row = {"heldout_loss": round(loss, 4),
+               "greedy_agreement_with_fp32": round(float((greedy == reference_greedy).float().mean()), 4),
+               "threads": {}}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            curve = measure_cost_curve(base)
+            row["threads"][threads] = {
+                "generate_tokens_per_s": round(generate_tokens_per_s(base, prompts, 64), 1),
+                "one_token_ms": round(curve.verify(1, 1) * 1000, 1),
+                "cost_relative": curve.relative(),
+            }
+        if name in dtypes:
+            result["dtypes"][name] = row
+        del base
+    result["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"{build['parameters']:,} parameters; converted in {build['convert_seconds']:.0f}s; "
-          f"resident memory {result['max_rss_mib']} MiB")
-    sizes = list(result["threads"][1]["cost_relative"])
-    print(f"{'threads':<8}{'generate tok/s':>15}{'1 token ms':>11}  " + "".join(f"{'c(' + str(n) + ')':>8}" for n in sizes))
-    for threads, row in result["threads"].items():
-        print(f"{threads:<8}{row['generate_tokens_per_s']:>15.1f}{row['one_token_ms']:>11.1f}  "
-              + "".join(f"{row['cost_relative'][n]:>8.2f}" for n in sizes))
+          f"peak resident memory {result['max_rss_mib']} MiB (every dtype loaded in turn)")
+    sizes = list(next(iter(result["dtypes"].values()))["threads"][1]["cost_relative"])
+    print(f"{'dtype':<6}{'held-out loss':>14}{'agree fp32':>11}{'threads':>8}{'generate tok/s':>15}{'1 token ms':>11}  "
+          + "".join(f"{'c(' + str(n) + ')':>8}" for n in sizes))
+    for name, row in result["dtypes"].items():
+        for threads, cost in row["threads"].items():
+            print(f"{name:<6}{row['heldout_loss']:>14.4f}{row['greedy_agreement_with_fp32']:>11.4f}{threads:>8}"
+                  f"{cost['generate_tokens_per_s']:>15.1f}{cost['one_token_ms']:>11.1f}  "
+                  + "".join(f"{cost['cost_relative'][n]:>8.2f}" for n in sizes))
     return 0
 
 
