@@ -24,6 +24,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 clean:

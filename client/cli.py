@@ -11,8 +11,10 @@ import typer
 from common.base import FedLookaheadError
 from common.cli_shared import BASE_HELP, DTYPE_HELP, DTYPES, fail
 
-app = typer.Typer(help="The device daemon (fedla client --superlink ... --data ...) and its privacy ledger.",
-                  pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help="The device daemon (fedla client --superlink ... --data ...) and its privacy ledger.",
+    pretty_exceptions_show_locals=False,
+)
 
 
 @app.callback(invoke_without_command=True)
@@ -22,29 +24,59 @@ def client_cmd(
     data: Optional[Path] = typer.Option(None, help="This device's private folder of text/code files."),
     base: Optional[str] = typer.Option(None, help=BASE_HELP + " Built or converted before joining."),
     device: str = typer.Option("auto", help="auto | cpu | cuda (training and evaluation on this device)."),
-    budget_eps: Optional[float] = typer.Option(None, help="Lifetime privacy budget (epsilon) of this device over all "
-                                               "runs (default 8); it declines training beyond it."),
+    budget_eps: Optional[float] = typer.Option(
+        None,
+        help="Lifetime privacy budget (epsilon) of this device over all "
+        "runs (default 8); it declines training beyond it.",
+    ),
     max_delta: Optional[float] = typer.Option(None, help="Largest DP delta this device accepts (default 1e-5)."),
     max_grad_norm: Optional[float] = typer.Option(None, help="Largest clipping norm it accepts (default 1.0)."),
-    min_noise_multiplier: Optional[float] = typer.Option(None, help="Smallest noise multiplier it trains with (default 0.5)."),
-    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (default: system CAs)."),
-    auth_key: Optional[Path] = typer.Option(None, help="This node's ECDSA private key (OpenSSH) for node authentication."),
-    state_dir: Optional[Path] = typer.Option(None, help="All of this device's data: privacy ledger, global heads, tokenised "
-                                             "files, features, logs (default: <cache>/client)."),
-    heads_dir: Optional[Path] = typer.Option(None, help="Also publish the newest global heads here (default: $FEDLA_HEADS or <cache>/heads/latest)."),
+    min_noise_multiplier: Optional[float] = typer.Option(
+        None, help="Smallest noise multiplier it trains with (default 0.5)."
+    ),
+    root_certificates: Optional[Path] = typer.Option(
+        None, help="CA certificate that signed the SuperLink's (default: system CAs)."
+    ),
+    auth_key: Optional[Path] = typer.Option(
+        None, help="This node's ECDSA private key (OpenSSH) for node authentication."
+    ),
+    state_dir: Optional[Path] = typer.Option(
+        None,
+        help="All of this device's data: privacy ledger, global heads, tokenised "
+        "files, features, logs (default: <cache>/client).",
+    ),
+    heads_dir: Optional[Path] = typer.Option(
+        None, help="Also publish the newest global heads here (default: $FEDLA_HEADS or <cache>/heads/latest)."
+    ),
     no_publish: bool = typer.Option(False, "--no-publish", help="Keep heads only in the state folder."),
     insecure: bool = typer.Option(False, "--insecure", help="No TLS (tests only; incompatible with --auth-key)."),
     max_retries: int = typer.Option(10, min=0, help="flower-supernode's reconnection tries per start."),
-    max_wait_time: float = typer.Option(60.0, min=0.0, help="flower-supernode's reconnection time limit per start (s)."),
+    max_wait_time: float = typer.Option(
+        60.0, min=0.0, help="flower-supernode's reconnection time limit per start (s)."
+    ),
     restarts: int = typer.Option(5, min=0, help="Failed starts in a row before giving up (0: never give up)."),
-    refused_patience: float = typer.Option(75.0, min=0.0, help="Seconds of refused activation before giving up "
-                                           "(a node still marked online after a crash is refused for up to 60 s)."),
-    runtime_port: int = typer.Option(0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0: a free one)."),
+    refused_patience: float = typer.Option(
+        75.0,
+        min=0.0,
+        help="Seconds of refused activation before giving up "
+        "(a node still marked online after a crash is refused for up to 60 s).",
+    ),
+    runtime_port: int = typer.Option(
+        0, min=0, max=65535, help="Local port of the SuperNode's runtime API (0: a free one)."
+    ),
     node_config: str = typer.Option("", help="Extra node config `k=v ...` (client-side run-config keys)."),
-    serve_port: int = typer.Option(0, min=0, max=65535, help="Also serve the local OpenAI-compatible generation "
-                                   "endpoint on 127.0.0.1:PORT, with the newest global heads (0: off)."),
-    no_prepare: bool = typer.Option(False, "--no-prepare", help="Join at once: tokenise the files (and compute "
-                                    "features) in the first round instead of before joining."),
+    serve_port: int = typer.Option(
+        0,
+        min=0,
+        max=65535,
+        help="Also serve the local OpenAI-compatible generation "
+        "endpoint on 127.0.0.1:PORT, with the newest global heads (0: off).",
+    ),
+    no_prepare: bool = typer.Option(
+        False,
+        "--no-prepare",
+        help="Join at once: tokenise the files (and compute features) in the first round instead of before joining.",
+    ),
 ) -> None:
     """Long-running device daemon: a Flower SuperNode running the FedLookahead ClientApp."""
     if ctx.invoked_subcommand is not None:
@@ -53,14 +85,30 @@ def client_cmd(
         fail("fedla client needs --superlink and --data (or a subcommand: status, forget, serve, reset-ledger)")
     from client.daemon import DaemonOptions, run_daemon
 
-    opts = DaemonOptions(superlink=superlink, data=data, base=base, device=device, budget_eps=budget_eps,
-                         max_delta=max_delta, max_grad_norm=max_grad_norm, min_noise_multiplier=min_noise_multiplier,
-                         root_certificates=root_certificates, auth_key=auth_key, state_dir=state_dir,
-                         heads_dir=heads_dir, publish_heads=not no_publish, insecure=insecure,
-                         max_retries=max_retries, max_wait_time=max_wait_time, restarts=restarts,
-                         refused_patience=refused_patience,
-                         runtime_port=runtime_port, node_config=node_config, serve_port=serve_port,
-                         prepare=not no_prepare)
+    opts = DaemonOptions(
+        superlink=superlink,
+        data=data,
+        base=base,
+        device=device,
+        budget_eps=budget_eps,
+        max_delta=max_delta,
+        max_grad_norm=max_grad_norm,
+        min_noise_multiplier=min_noise_multiplier,
+        root_certificates=root_certificates,
+        auth_key=auth_key,
+        state_dir=state_dir,
+        heads_dir=heads_dir,
+        publish_heads=not no_publish,
+        insecure=insecure,
+        max_retries=max_retries,
+        max_wait_time=max_wait_time,
+        restarts=restarts,
+        refused_patience=refused_patience,
+        runtime_port=runtime_port,
+        node_config=node_config,
+        serve_port=serve_port,
+        prepare=not no_prepare,
+    )
     raise typer.Exit(code=run_daemon(opts))
 
 
@@ -84,8 +132,15 @@ def client_serve_cmd(
     if dtype not in DTYPES:
         fail(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
     try:
-        serve_endpoint(resolve_base(base), heads or (state_dir or default_state_dir()) / "heads" / "latest",
-                       host=host, port=port, device=device, dtype=DTYPES[dtype], max_queue=max_queue)
+        serve_endpoint(
+            resolve_base(base),
+            heads or (state_dir or default_state_dir()) / "heads" / "latest",
+            host=host,
+            port=port,
+            device=device,
+            dtype=DTYPES[dtype],
+            max_queue=max_queue,
+        )
     except FedLookaheadError as exc:
         fail(str(exc))
 

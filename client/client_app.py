@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from common.fedconfig import FedConfig
 
 
-
 class SimulatedDropout(RuntimeError):
     """Raised on purpose in the dropout scenario: the client vanishes after SecAgg+ key setup."""
 
@@ -53,8 +52,10 @@ def fixedclipping_when_asked(msg: Message, context: Context, call_next):
     norm; inside SecAgg+, so the update is clipped before it is masked (issue 12)."""
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-    if msg.metadata.message_type == MessageType.TRAIN and KEY_CLIPPING_NORM in compat.recorddict_to_fitins(
-            msg.content, keep_input=True).config:
+    if (
+        msg.metadata.message_type == MessageType.TRAIN
+        and KEY_CLIPPING_NORM in compat.recorddict_to_fitins(msg.content, keep_input=True).config
+    ):
         return fixedclipping_mod(msg, context, call_next)
     return call_next(msg, context)
 
@@ -78,7 +79,9 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
 
     config = client_config(context)
     if fit_config.get(FAIL_KEY):
-        raise SimulatedDropout(f"simulated dropout in round {fit_config.get(ROUND_KEY)} (dropout-rate={config.dropout_rate})")
+        raise SimulatedDropout(
+            f"simulated dropout in round {fit_config.get(ROUND_KEY)} (dropout-rate={config.dropout_rate})"
+        )
     base = cached_base(config)
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
@@ -156,13 +159,22 @@ def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     metrics: dict = {"num-examples": int(len(data.heldout))}
     if len(data.heldout):
-        summary = evaluate_heads(heads, client_features(config, base, data.heldout, dict(context.node_config)),
-                                 batch_size=config.batch_size)
+        summary = evaluate_heads(
+            heads, client_features(config, base, data.heldout, dict(context.node_config)), batch_size=config.batch_size
+        )
         metrics["loss"] = float(summary["loss"])
         metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
         measure = bool(msg.content[HEADS_CONFIG_RECORD].get(MEASURE_TAU, True))
-        tau = decode_tau(base, heads, chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
-                         config.eval_max_new_tokens) if measure else None
+        tau = (
+            decode_tau(
+                base,
+                heads,
+                chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
+                config.eval_max_new_tokens,
+            )
+            if measure
+            else None
+        )
         if tau is not None:
             metrics["tau"] = tau
     metrics["eval-seconds"] = time.perf_counter() - started

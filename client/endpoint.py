@@ -68,8 +68,14 @@ log = logging.getLogger("fedla.endpoint")
 DEFAULT_PORT = 8765
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_QUEUE = 64
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "degeneration": "stop", "cancelled": "stop",
-                  "max_new_tokens": "length", "context": "length"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_string": "stop",
+    "degeneration": "stop",
+    "cancelled": "stop",
+    "max_new_tokens": "length",
+    "context": "length",
+}
 
 
 class BaseUnavailable(FedLookaheadError):
@@ -168,10 +174,15 @@ class Completion:
 
     def usage(self) -> dict[str, Any]:
         completion = len(self.result.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "tokens_per_s": round(self.result.tokens_per_s, 3), "tau": round(self.result.tau, 4),
-                "heads_version": self.heads_version, "mode": self.result.mode}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "tokens_per_s": round(self.result.tokens_per_s, 3),
+            "tau": round(self.result.tau, 4),
+            "heads_version": self.heads_version,
+            "mode": self.result.mode,
+        }
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -199,15 +210,14 @@ class TextStream:
 
     def _send(self, text: str) -> None:
         if len(text) > len(self.sent) and text.startswith(self.sent):
-            self.emit(text[len(self.sent):])
+            self.emit(text[len(self.sent) :])
             self.sent = text
 
 
 class StreamingStopper(Stopper):
     """The decoders' Stopper that also reports every accepted step and ends the decode when cancelled."""
 
-    def __init__(self, *args: Any, on_tokens: Callable[[list[int]], None] | None,
-                 cancelled: threading.Event) -> None:
+    def __init__(self, *args: Any, on_tokens: Callable[[list[int]], None] | None, cancelled: threading.Event) -> None:
         super().__init__(*args)
         self.on_tokens, self.cancelled = on_tokens, cancelled
 
@@ -220,8 +230,14 @@ class StreamingStopper(Stopper):
         return reason
 
 
-def decode(base: BaseModel, ids: torch.Tensor, heads: DraftHeads | None, sampling: Sampling, stopper: Stopper,
-           policy: AmsPolicy) -> GenerationResult:
+def decode(
+    base: BaseModel,
+    ids: torch.Tensor,
+    heads: DraftHeads | None,
+    sampling: Sampling,
+    stopper: Stopper,
+    policy: AmsPolicy,
+) -> GenerationResult:
     """common.decoding.generate's "ams" path (plain decoding without heads), with the caller's Stopper.
 
     generate() builds its own Stopper, which is why the endpoint calls the decoders itself: its
@@ -237,8 +253,17 @@ def decode(base: BaseModel, ids: torch.Tensor, heads: DraftHeads | None, samplin
         if mode == "ams":
             try:
                 tokens, forwards, reason, stats = ams_decode(
-                    base, ids, heads, policy, stopper, temperature, top_p, generator, curve,
-                    reproducible=temperature > 0 and seed is not None)
+                    base,
+                    ids,
+                    heads,
+                    policy,
+                    stopper,
+                    temperature,
+                    top_p,
+                    generator,
+                    curve,
+                    reproducible=temperature > 0 and seed is not None,
+                )
             except UnsupportedCache:  # raised after the prefill, before any token is admitted
                 mode, generator = "greedy", make_generator(base.device, seed)
         if mode == "greedy":
@@ -270,9 +295,15 @@ def prompt_token_ids(base: BaseModel, prompt: Prompt) -> list[int]:
 class Endpoint:
     """The base, the heads holder and the single generation worker behind the HTTP routes."""
 
-    def __init__(self, base_dir: Path, heads_dir: Path | None, device: str = "auto",
-                 dtype: torch.dtype | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-                 policy: AmsPolicy | None = None) -> None:
+    def __init__(
+        self,
+        base_dir: Path,
+        heads_dir: Path | None,
+        device: str = "auto",
+        dtype: torch.dtype | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        policy: AmsPolicy | None = None,
+    ) -> None:
         self.base_dir = Path(base_dir).expanduser()
         self.device, self.dtype, self.max_queue = device, dtype, max_queue
         self.policy = policy or AmsPolicy()
@@ -311,8 +342,14 @@ class Endpoint:
         with self._lock:
             self._pending -= 1
 
-    def complete(self, prompt: Prompt, sampling: Sampling, emit: Callable[[Event], None], stream: bool,
-                 cancelled: threading.Event) -> Completion:
+    def complete(
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        emit: Callable[[Event], None],
+        stream: bool,
+        cancelled: threading.Event,
+    ) -> Completion:
         """One request, start to end, in the worker thread; emits start (and, streaming, text deltas)."""
         base = self.load()
         ids = prompt_token_ids(base, prompt)
@@ -323,8 +360,15 @@ class Endpoint:
         snapshot = self.heads.refresh(base)  # between requests: the only place heads change
         emit(("start", snapshot.version))
         text_stream = TextStream(base.tokenizer, sampling.stop, lambda d: emit(("delta", d))) if stream else None
-        stopper = StreamingStopper(base, sampling.max_tokens, sampling.stop, True, base.max_positions - len(ids),
-                                   on_tokens=text_stream.update if text_stream else None, cancelled=cancelled)
+        stopper = StreamingStopper(
+            base,
+            sampling.max_tokens,
+            sampling.stop,
+            True,
+            base.max_positions - len(ids),
+            on_tokens=text_stream.update if text_stream else None,
+            cancelled=cancelled,
+        )
         result = decode(base, prompt_ids, snapshot.heads, sampling, stopper, self.policy)
         text, stopped = cut_at_stop(result.text, sampling.stop)
         if text_stream is not None:
@@ -383,8 +427,9 @@ def _error_response(exc: BaseException) -> JSONResponse:
 
 def _sampling(request: _Options, max_tokens: int | None) -> Sampling:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return Sampling(max_tokens or DEFAULT_MAX_TOKENS, request.temperature, request.top_p,
-                    tuple(s for s in stop if s), request.seed)
+    return Sampling(
+        max_tokens or DEFAULT_MAX_TOKENS, request.temperature, request.top_p, tuple(s for s in stop if s), request.seed
+    )
 
 
 def _message_text(message: ChatMessage) -> dict[str, str]:
@@ -401,9 +446,15 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def create_endpoint_app(base_dir: Path, heads_dir: Path | None, *, device: str = "auto",
-                        dtype: torch.dtype | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-                        policy: AmsPolicy | None = None) -> FastAPI:
+def create_endpoint_app(
+    base_dir: Path,
+    heads_dir: Path | None,
+    *,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    policy: AmsPolicy | None = None,
+) -> FastAPI:
     """The endpoint's FastAPI app; `app.state.endpoint` is its Endpoint (base, heads holder, worker).
 
     `heads_dir`: the folder to watch for the newest heads (None: plain decoding only). A missing
@@ -425,16 +476,19 @@ def create_endpoint_app(base_dir: Path, heads_dir: Path | None, *, device: str =
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fedlookahead"}]}
+        return {
+            "object": "list",
+            "data": [{"id": endpoint.model_name, "object": "model", "created": 0, "owned_by": "fedlookahead"}],
+        }
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest) -> JSONResponse | StreamingResponse:
         prompt = request.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
-                return _error(400, "prompt: give one prompt string (n = 1 only)", "invalid_request_error",
-                              "invalid_value")
+                return _error(
+                    400, "prompt: give one prompt string (n = 1 only)", "invalid_request_error", "invalid_value"
+                )
             prompt = prompt[0]
         if not prompt:
             return _error(400, "prompt: empty prompt", "invalid_request_error", "invalid_value")
@@ -454,8 +508,9 @@ def create_endpoint_app(base_dir: Path, heads_dir: Path | None, *, device: str =
     return app
 
 
-async def _answer(endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream: bool,
-                  chat: bool) -> JSONResponse | StreamingResponse:
+async def _answer(
+    endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream: bool, chat: bool
+) -> JSONResponse | StreamingResponse:
     """Queue the request, then answer with one JSON body or an event stream once decoding has started."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -474,8 +529,11 @@ async def _answer(endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream
         endpoint.submit(job)
     except QueueFull as exc:
         return _error_response(exc)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": endpoint.model_name}
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": endpoint.model_name,
+    }
     kind, value = await events.get()
     if kind == "error":
         return _error_response(value)
@@ -489,8 +547,12 @@ async def _answer(endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream
             choice["message"] = {"role": "assistant", "content": value.text}
         else:
             choice.update(text=value.text, logprobs=None)
-        body = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": value.usage()}
+        body = {
+            **head,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [choice],
+            "usage": value.usage(),
+        }
         return JSONResponse(body)
 
     def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
@@ -542,8 +604,9 @@ class EndpointServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         check_loopback(host)
         self.app, self.host = app, host
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", ws="none",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="fedla-endpoint-http", daemon=True)
 
@@ -552,8 +615,9 @@ class EndpointServer:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise FedLookaheadError(f"the generation endpoint could not listen on {self.host}:"
-                                        f"{self.server.config.port} (port in use?)")
+                raise FedLookaheadError(
+                    f"the generation endpoint could not listen on {self.host}:{self.server.config.port} (port in use?)"
+                )
             time.sleep(0.02)
         return self
 
@@ -573,23 +637,38 @@ class EndpointServer:
         self.app.state.endpoint.close()
 
 
-def start_endpoint(base_dir: Path, heads_dir: Path | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                   device: str = "auto", dtype: torch.dtype | None = None,
-                   max_queue: int = DEFAULT_MAX_QUEUE) -> EndpointServer:
+def start_endpoint(
+    base_dir: Path,
+    heads_dir: Path | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> EndpointServer:
     """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
     check_loopback(host)
     app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
     return EndpointServer(app, host, port).start()
 
 
-def serve_endpoint(base_dir: Path, heads_dir: Path | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                   device: str = "auto", dtype: torch.dtype | None = None,
-                   max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+def serve_endpoint(
+    base_dir: Path,
+    heads_dir: Path | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> None:
     """Serve in the foreground until interrupted (a standalone command)."""
     check_loopback(host)
     app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", ws="none",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5
+        )
     finally:
         app.state.endpoint.close()

@@ -63,13 +63,15 @@ class PrivacyState:
     history: History = field(default_factory=list)
 
     def to_record(self) -> ConfigRecord:
-        return ConfigRecord({
-            "run-key": self.run_key,
-            "noise-multiplier": float(self.noise_multiplier),
-            "sigmas": [float(s) for s, _, _ in self.history],
-            "rates": [float(q) for _, q, _ in self.history],
-            "steps": [int(n) for _, _, n in self.history],
-        })
+        return ConfigRecord(
+            {
+                "run-key": self.run_key,
+                "noise-multiplier": float(self.noise_multiplier),
+                "sigmas": [float(s) for s, _, _ in self.history],
+                "rates": [float(q) for _, q, _ in self.history],
+                "steps": [int(n) for _, _, n in self.history],
+            }
+        )
 
     @classmethod
     def from_record(cls, record: ConfigRecord) -> PrivacyState:
@@ -77,13 +79,19 @@ class PrivacyState:
         return cls(str(record["run-key"]), float(record["noise-multiplier"]), history)
 
     def to_json(self) -> dict:
-        return {"run_key": self.run_key, "noise_multiplier": self.noise_multiplier,
-                "history": [list(h) for h in self.history]}
+        return {
+            "run_key": self.run_key,
+            "noise_multiplier": self.noise_multiplier,
+            "history": [list(h) for h in self.history],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> PrivacyState:
-        return cls(data["run_key"], float(data["noise_multiplier"]),
-                   [(float(s), float(q), int(n)) for s, q, n in data["history"]])
+        return cls(
+            data["run_key"],
+            float(data["noise_multiplier"]),
+            [(float(s), float(q), int(n)) for s, q, n in data["history"]],
+        )
 
 
 def epsilon_of(history: Sequence[tuple[float, float, int]], delta: float) -> float:
@@ -175,8 +183,12 @@ class DeviceFloor:
             return None
         defaults = cls(Path(state_dir))
         values = {}
-        for key, name in ((BUDGET_KEY, "budget_epsilon"), (MAX_DELTA_KEY, "delta"),
-                          (MAX_GRAD_NORM_KEY, "max_grad_norm"), (MIN_NOISE_KEY, "min_noise_multiplier")):
+        for key, name in (
+            (BUDGET_KEY, "budget_epsilon"),
+            (MAX_DELTA_KEY, "delta"),
+            (MAX_GRAD_NORM_KEY, "max_grad_norm"),
+            (MIN_NOISE_KEY, "min_noise_multiplier"),
+        ):
             value = node_config.get(key, getattr(defaults, name))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise FedLookaheadError(f"node config {key} must be a finite number, got {value!r}")
@@ -189,7 +201,9 @@ class DeviceFloor:
         if not floor.max_grad_norm > 0:
             raise FedLookaheadError(f"node config {MAX_GRAD_NORM_KEY} must be positive, got {floor.max_grad_norm:g}")
         if floor.min_noise_multiplier < 0:
-            raise FedLookaheadError(f"node config {MIN_NOISE_KEY} must not be negative, got {floor.min_noise_multiplier:g}")
+            raise FedLookaheadError(
+                f"node config {MIN_NOISE_KEY} must not be negative, got {floor.min_noise_multiplier:g}"
+            )
         return floor
 
     def apply(self, config: FedConfig) -> FedConfig:
@@ -236,8 +250,10 @@ class Ledger:
 
 
 def _reset_hint(state_dir: Path) -> str:
-    return (f"this device does not train until its owner resets the ledger on purpose: "
-            f"`fedla client reset-ledger --state-dir {state_dir} --yes`")
+    return (
+        f"this device does not train until its owner resets the ledger on purpose: "
+        f"`fedla client reset-ledger --state-dir {state_dir} --yes`"
+    )
 
 
 def _read_marker(state_dir: Path) -> dict | None:
@@ -249,8 +265,9 @@ def _read_marker(state_dir: Path) -> dict | None:
         int(marker["steps"])
         return marker
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise LedgerError(f"privacy marker {path} is unreadable ({_first_line(exc)}); "
-                          f"{_reset_hint(state_dir)}") from exc
+        raise LedgerError(
+            f"privacy marker {path} is unreadable ({_first_line(exc)}); {_reset_hint(state_dir)}"
+        ) from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -270,8 +287,10 @@ def load_ledger(state_dir: Path) -> Ledger:
     ledger = Ledger(state_dir, first_trained=marker.get("first_trained") if marker else None)
     if not ledger.path.exists():
         if marker is not None:
-            raise LedgerError(f"privacy ledger {ledger.path} is missing but this device has trained "
-                              f"(since {ledger.first_trained}); {_reset_hint(state_dir)}")
+            raise LedgerError(
+                f"privacy ledger {ledger.path} is missing but this device has trained "
+                f"(since {ledger.first_trained}); {_reset_hint(state_dir)}"
+            )
         return ledger
     try:
         data = json.loads(ledger.path.read_text())
@@ -280,11 +299,14 @@ def load_ledger(state_dir: Path) -> Ledger:
         ledger.runs = {key: PrivacyState.from_json({"run_key": key, **run}) for key, run in data["runs"].items()}
         ledger.resets = list(data.get("resets", []))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise LedgerError(f"privacy ledger {ledger.path} is unreadable ({_first_line(exc)}); "
-                          f"{_reset_hint(state_dir)}") from exc
+        raise LedgerError(
+            f"privacy ledger {ledger.path} is unreadable ({_first_line(exc)}); {_reset_hint(state_dir)}"
+        ) from exc
     if marker is not None and ledger.steps < int(marker["steps"]):
-        raise LedgerError(f"privacy ledger {ledger.path} holds {ledger.steps} DP-SGD steps but this device has "
-                          f"taken {int(marker['steps'])}; {_reset_hint(state_dir)}")
+        raise LedgerError(
+            f"privacy ledger {ledger.path} holds {ledger.steps} DP-SGD steps but this device has "
+            f"taken {int(marker['steps'])}; {_reset_hint(state_dir)}"
+        )
     return ledger
 
 
@@ -293,15 +315,22 @@ def save_ledger(ledger: Ledger) -> None:
     leaves a ledger ahead of its marker, which is accepted)."""
     now = _utc_now()
     ledger.first_trained = ledger.first_trained or now
-    _write_json(ledger.path, {
-        "format": LEDGER_FORMAT,
-        "runs": {key: {"noise_multiplier": s.noise_multiplier, "history": [list(h) for h in s.history]}
-                 for key, s in ledger.runs.items()},
-        "resets": ledger.resets,
-        "updated": now,
-    })
-    _write_json(ledger.state_dir / TRAINED_MARKER, {"first_trained": ledger.first_trained, "updated": now,
-                                                     "steps": ledger.steps})
+    _write_json(
+        ledger.path,
+        {
+            "format": LEDGER_FORMAT,
+            "runs": {
+                key: {"noise_multiplier": s.noise_multiplier, "history": [list(h) for h in s.history]}
+                for key, s in ledger.runs.items()
+            },
+            "resets": ledger.resets,
+            "updated": now,
+        },
+    )
+    _write_json(
+        ledger.state_dir / TRAINED_MARKER,
+        {"first_trained": ledger.first_trained, "updated": now, "steps": ledger.steps},
+    )
 
 
 def _utc_now() -> str:
@@ -323,7 +352,8 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
     if not yes:
         raise FedLookaheadError(
             f"resetting {path} forgets this device's past privacy spending and makes its whole budget available "
-            f"again, although the privacy its past updates cost does not go away; add --yes to reset it")
+            f"again, although the privacy its past updates cost does not go away; add --yes to reset it"
+        )
     if not state_dir.is_dir():
         raise FedLookaheadError(f"state folder not found: {state_dir}")
     try:
@@ -335,13 +365,18 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
     if kept is not None:
         os.replace(path, kept)
     forgotten = int(marker["steps"]) if marker else None
-    ledger = Ledger(state_dir, first_trained=marker.get("first_trained") if marker else None,
-                    resets=[{"time": _utc_now(), "forgotten_steps": forgotten, "old_ledger": str(kept) if kept else None}])
+    ledger = Ledger(
+        state_dir,
+        first_trained=marker.get("first_trained") if marker else None,
+        resets=[{"time": _utc_now(), "forgotten_steps": forgotten, "old_ledger": str(kept) if kept else None}],
+    )
     save_ledger(ledger)
-    return (f"privacy ledger {path} reset: past spending forgotten"
-            + (f" ({forgotten} DP-SGD steps)" if forgotten is not None else "")
-            + (f", old ledger kept as {kept.name}" if kept else "")
-            + "; the device's real privacy loss from past updates remains")
+    return (
+        f"privacy ledger {path} reset: past spending forgotten"
+        + (f" ({forgotten} DP-SGD steps)" if forgotten is not None else "")
+        + (f", old ledger kept as {kept.name}" if kept else "")
+        + "; the device's real privacy loss from past updates remains"
+    )
 
 
 # ----------------------------------------------------------------------------------- training
@@ -364,8 +399,11 @@ def choose_noise_multiplier(config: FedConfig, q: float, steps_per_round: int) -
 def _sigma(target_epsilon: float, delta: float, q: float, steps: int) -> float:
     with warnings.catch_warnings():  # the search visits sigmas whose best RDP order is the largest one
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
-                                          steps=steps, accountant="rdp"))
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=q, steps=steps, accountant="rdp"
+            )
+        )
 
 
 def trainable_parameters(heads: DraftHeads, which: str = "all") -> list[torch.nn.Parameter]:
@@ -388,8 +426,14 @@ class RoundResult:
     seconds: float = 0.0
 
 
-def train_round(heads: DraftHeads, features: Features, config: FedConfig, state: PrivacyState | None,
-                floor: DeviceFloor | None = None, earlier: History | None = None) -> RoundResult:
+def train_round(
+    heads: DraftHeads,
+    features: Features,
+    config: FedConfig,
+    state: PrivacyState | None,
+    floor: DeviceFloor | None = None,
+    earlier: History | None = None,
+) -> RoundResult:
     """One round of local training, in place on `heads`: DP-SGD (Opacus) or plain, per config.dp.
 
     Reads the chunks' cached base features (one row per chunk: the privacy unit). With DP, `state`
@@ -426,16 +470,34 @@ def train_round(heads: DraftHeads, features: Features, config: FedConfig, state:
     if config.dp_target_epsilon > 0:
         after = epsilon_of(state.history + this_round, config.dp_delta)
         if after > config.dp_target_epsilon + EPSILON_SLACK:
-            return RoundResult(None, now, q, 0, sigma, delta, skipped=(
-                f"privacy budget: this round would bring the run's epsilon from "
-                f"{epsilon_of(state.history, config.dp_delta):.3f} to {after:.3f}, "
-                f"above the target {config.dp_target_epsilon:g} (delta {config.dp_delta:g})"))
+            return RoundResult(
+                None,
+                now,
+                q,
+                0,
+                sigma,
+                delta,
+                skipped=(
+                    f"privacy budget: this round would bring the run's epsilon from "
+                    f"{epsilon_of(state.history, config.dp_delta):.3f} to {after:.3f}, "
+                    f"above the target {config.dp_target_epsilon:g} (delta {config.dp_delta:g})"
+                ),
+            )
     if floor is not None:
         after, _ = spent(state.history + this_round)
         if after > floor.budget_epsilon + EPSILON_SLACK:
-            return RoundResult(None, now, q, 0, sigma, delta, skipped=(
-                f"privacy budget: this round would bring the device's lifetime epsilon from {now:.3f} to "
-                f"{after:.3f}, above its budget {floor.budget_epsilon:g} (delta {floor.delta:g})"))
+            return RoundResult(
+                None,
+                now,
+                q,
+                0,
+                sigma,
+                delta,
+                skipped=(
+                    f"privacy budget: this round would bring the device's lifetime epsilon from {now:.3f} to "
+                    f"{after:.3f}, above its budget {floor.budget_epsilon:g} (delta {floor.delta:g})"
+                ),
+            )
 
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(state.history)  # continue the run's accountant, not a fresh one
@@ -444,8 +506,13 @@ def train_round(heads: DraftHeads, features: Features, config: FedConfig, state:
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
         module, dp_optimizer, dp_loader = engine.make_private(
-            module=heads, optimizer=optimizer, data_loader=feature_loader(features, config.batch_size, shuffle=False),
-            noise_multiplier=sigma, max_grad_norm=config.dp_max_grad_norm, poisson_sampling=True)
+            module=heads,
+            optimizer=optimizer,
+            data_loader=feature_loader(features, config.batch_size, shuffle=False),
+            noise_multiplier=sigma,
+            max_grad_norm=config.dp_max_grad_norm,
+            poisson_sampling=True,
+        )
         metrics = HeadMetrics(heads.num_heads)
         for _ in range(config.local_epochs):
             metrics = train_epoch(module, dp_loader, dp_optimizer, heads.num_heads, show_progress=False)
@@ -456,8 +523,9 @@ def train_round(heads: DraftHeads, features: Features, config: FedConfig, state:
     return RoundResult(metrics, epsilon, q, steps, sigma, delta, seconds=time.perf_counter() - started)
 
 
-def device_round(heads: DraftHeads, features: Features, config: FedConfig, floor: DeviceFloor,
-                 run_key: str) -> RoundResult:
+def device_round(
+    heads: DraftHeads, features: Features, config: FedConfig, floor: DeviceFloor, run_key: str
+) -> RoundResult:
     """One round on a device: its ledger is read, the round trained (or declined) and the ledger saved.
 
     A ledger that cannot be trusted declines the round, with the reason, and reports epsilon as

@@ -129,7 +129,9 @@ def _publish(source: Path, destination: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def keep_global_heads(heads, node_config: Mapping[str, Any], run_id: int, server_round: int | None = None) -> Path | None:
+def keep_global_heads(
+    heads, node_config: Mapping[str, Any], run_id: int, server_round: int | None = None
+) -> Path | None:
     """Store heads the server pushed (train or evaluate message) if newer than the kept ones.
 
     Untrained heads (version 0) are never kept. Returns the folder written, or None.
@@ -141,8 +143,14 @@ def keep_global_heads(heads, node_config: Mapping[str, Any], run_id: int, server
     try:
         heads_root = state / "heads"
         current = latest_heads(state)
-        meta = {"run": int(run_id), "version": version, "base_fingerprint": heads.config.base_fingerprint,
-                "num_heads": int(heads.config.num_heads), "round": server_round, "saved_at": time.time()}
+        meta = {
+            "run": int(run_id),
+            "version": version,
+            "base_fingerprint": heads.config.base_fingerprint,
+            "num_heads": int(heads.config.num_heads),
+            "round": server_round,
+            "saved_at": time.time(),
+        }
         if not _newer(meta, current[1] if current else None):
             return None
         safe = re.sub(r"[^A-Za-z0-9_-]", "_", str(run_id))
@@ -163,15 +171,26 @@ def keep_global_heads(heads, node_config: Mapping[str, Any], run_id: int, server
     except OSError as exc:
         log.warning("could not keep the global heads in %s: %s", state, exc)
         return None
-    record_event(node_config, "heads", run=int(run_id), round=server_round, version=version,
-                 fingerprint=heads.config.base_fingerprint, sha256=meta["sha256"], path=str(target),
-                 published=published or None)
+    record_event(
+        node_config,
+        "heads",
+        run=int(run_id),
+        round=server_round,
+        version=version,
+        fingerprint=heads.config.base_fingerprint,
+        sha256=meta["sha256"],
+        path=str(target),
+        published=published or None,
+    )
     return target
 
 
 def _prune(heads_root: Path, keep: Path) -> None:
-    folders = sorted((p for p in heads_root.glob("run-*-v*") if p.is_dir() and not p.is_symlink()),
-                     key=lambda p: p.stat().st_mtime, reverse=True)
+    folders = sorted(
+        (p for p in heads_root.glob("run-*-v*") if p.is_dir() and not p.is_symlink()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     for old in folders[KEEP_VERSIONS:]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
@@ -187,15 +206,27 @@ def train_started(context, fit_config: Mapping[str, Any], heads) -> None:
         return
     server_round = fit_config.get(ROUND_KEY)
     keep_global_heads(heads, node_config, context.run_id, server_round)
-    record_event(node_config, "train-start", run=int(context.run_id), fedla_run=fit_config.get(RUN_KEY),
-                 round=server_round, version=int(heads.config.version))
+    record_event(
+        node_config,
+        "train-start",
+        run=int(context.run_id),
+        fedla_run=fit_config.get(RUN_KEY),
+        round=server_round,
+        version=int(heads.config.version),
+    )
 
 
 def train_finished(context, fit_config: Mapping[str, Any], metrics: Mapping[str, Any], weight: int) -> None:
     if state_dir_of(context.node_config) is None:
         return
-    record_event(context.node_config, "train-done", run=int(context.run_id), round=fit_config.get(ROUND_KEY),
-                 weight=int(weight), **{k.replace("-", "_"): v for k, v in metrics.items()})
+    record_event(
+        context.node_config,
+        "train-done",
+        run=int(context.run_id),
+        round=fit_config.get(ROUND_KEY),
+        weight=int(weight),
+        **{k.replace("-", "_"): v for k, v in metrics.items()},
+    )
 
 
 def heads_received(context, heads, heads_config: Mapping[str, Any]) -> None:
@@ -212,6 +243,12 @@ def evaluated(context, heads_config: Mapping[str, Any], metrics: Mapping[str, An
         final = int(server_round) >= int(context.run_config.get("num-server-rounds", 0)) > 0
     except (TypeError, ValueError):
         final = False
-    record_event(context.node_config, "eval", run=int(context.run_id), round=server_round,
-                 version=heads_config.get("head-version"), final=int(final),
-                 **{k.replace("-", "_"): v for k, v in metrics.items()})
+    record_event(
+        context.node_config,
+        "eval",
+        run=int(context.run_id),
+        round=server_round,
+        version=heads_config.get("head-version"),
+        final=int(final),
+        **{k.replace("-", "_"): v for k, v in metrics.items()},
+    )

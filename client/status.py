@@ -70,8 +70,19 @@ def _runs(state: Path) -> list[dict]:
             run = event["run"]
         except (ValueError, KeyError, TypeError):
             continue
-        entry = runs.setdefault(run, {"run": run, "name": None, "rounds": set(), "trained": set(), "declined": set(),
-                                      "heads_version": None, "finished": False, "last_time": None})
+        entry = runs.setdefault(
+            run,
+            {
+                "run": run,
+                "name": None,
+                "rounds": set(),
+                "trained": set(),
+                "declined": set(),
+                "heads_version": None,
+                "finished": False,
+                "last_time": None,
+            },
+        )
         server_round = event.get("round")
         if server_round is not None:
             entry["rounds"].add(server_round)
@@ -88,8 +99,15 @@ def _runs(state: Path) -> list[dict]:
     out = []
     for entry in runs.values():
         rounds = sorted(r for r in entry["rounds"] if isinstance(r, (int, float)))
-        out.append({**entry, "rounds": len(rounds), "last_round": int(rounds[-1]) if rounds else None,
-                    "trained": len(entry["trained"]), "declined": len(entry["declined"])})
+        out.append(
+            {
+                **entry,
+                "rounds": len(rounds),
+                "last_round": int(rounds[-1]) if rounds else None,
+                "trained": len(entry["trained"]),
+                "declined": len(entry["declined"]),
+            }
+        )
     return sorted(out, key=lambda e: e["last_time"] or 0)
 
 
@@ -109,9 +127,15 @@ def _privacy(state: Path, node_config: dict) -> dict:
         out.update(trusted=False, error=str(exc), epsilon=None, remaining=None)
         return out
     epsilon = epsilon_of(ledger.history(), floor.delta)
-    out.update(trusted=True, epsilon=epsilon, remaining=max(0.0, floor.budget_epsilon - epsilon),
-               steps=ledger.steps, runs_trained=sorted(ledger.runs), first_trained=ledger.first_trained,
-               resets=len(ledger.resets))
+    out.update(
+        trusted=True,
+        epsilon=epsilon,
+        remaining=max(0.0, floor.budget_epsilon - epsilon),
+        steps=ledger.steps,
+        runs_trained=sorted(ledger.runs),
+        first_trained=ledger.first_trained,
+        resets=len(ledger.resets),
+    )
     return out
 
 
@@ -127,9 +151,15 @@ def device_status(state_dir: Path) -> dict:
     heads = None
     if kept is not None:
         folder, meta = kept
-        heads = {"path": str(state / "heads" / "latest"), "folder": str(folder), "version": meta.get("version"),
-                 "run": meta.get("run"), "round": meta.get("round"), "sha256": meta.get("sha256"),
-                 "base_fingerprint": meta.get("base_fingerprint")}
+        heads = {
+            "path": str(state / "heads" / "latest"),
+            "folder": str(folder),
+            "version": meta.get("version"),
+            "run": meta.get("run"),
+            "round": meta.get("round"),
+            "sha256": meta.get("sha256"),
+            "base_fingerprint": meta.get("base_fingerprint"),
+        }
     runs = _runs(state)
     if heads is not None:  # the run's FedLookahead name (the server's runs/<run-id>), when the device trained in it
         heads["run_name"] = next((r["name"] for r in runs if r["run"] == heads["run"] and r["name"]), heads["run"])
@@ -140,9 +170,13 @@ def device_status(state_dir: Path) -> dict:
     serve = ["fedla", "client", "serve", "--state-dir", str(state)] + (["--base", base] if base else [])
     return {
         "state_dir": str(state),
-        "daemon": {"running": _daemon_alive(daemon), "status": (daemon or {}).get("status"),
-                   "pid": (daemon or {}).get("pid"), "superlink": (daemon or {}).get("superlink"),
-                   "node_id": (daemon or {}).get("node_id")},
+        "daemon": {
+            "running": _daemon_alive(daemon),
+            "status": (daemon or {}).get("status"),
+            "pid": (daemon or {}).get("pid"),
+            "superlink": (daemon or {}).get("superlink"),
+            "node_id": (daemon or {}).get("node_id"),
+        },
         "privacy": _privacy(state, node_config),
         "runs": [{k: v for k, v in run.items() if k != "last_time"} for run in runs],
         "last_round": ({"run": runs[-1]["name"] or runs[-1]["run"], "round": runs[-1]["last_round"]} if runs else None),
@@ -180,15 +214,19 @@ def format_status(status: dict) -> str:
     daemon = status["daemon"]
     lines = [f"device state: {status['state_dir']}"]
     if daemon["running"]:
-        lines.append(f"daemon: running (pid {daemon['pid']}, {daemon['status']}), SuperLink {daemon['superlink']}, "
-                     f"node {daemon['node_id']}")
+        lines.append(
+            f"daemon: running (pid {daemon['pid']}, {daemon['status']}), SuperLink {daemon['superlink']}, "
+            f"node {daemon['node_id']}"
+        )
     else:
         lines.append("daemon: not running" + (f" (last: {daemon['status']})" if daemon["status"] else ""))
     if privacy["trusted"]:
-        lines.append(f"privacy: lifetime epsilon {privacy['epsilon']:.3f} of budget {privacy['budget']:g} "
-                     f"(delta {privacy['delta']:g}); {privacy['remaining']:.3f} left; {privacy['steps']} DP-SGD steps "
-                     f"over {len(privacy['runs_trained'])} run(s)"
-                     + (f"; ledger reset {privacy['resets']} time(s)" if privacy["resets"] else ""))
+        lines.append(
+            f"privacy: lifetime epsilon {privacy['epsilon']:.3f} of budget {privacy['budget']:g} "
+            f"(delta {privacy['delta']:g}); {privacy['remaining']:.3f} left; {privacy['steps']} DP-SGD steps "
+            f"over {len(privacy['runs_trained'])} run(s)"
+            + (f"; ledger reset {privacy['resets']} time(s)" if privacy["resets"] else "")
+        )
     else:
         lines.append(f"privacy: lifetime epsilon UNKNOWN, budget {privacy['budget']:g}: {privacy['error']}")
     runs = status["runs"]
@@ -196,18 +234,22 @@ def format_status(status: dict) -> str:
         lines.append(f"runs joined: {len(runs)}")
         for run in runs:
             name = run["name"] or run["run"]
-            lines.append(f"  run {name}: {run['rounds']} round(s) seen, trained in {run['trained']}, declined "
-                         f"in {run['declined']}, last round {run['last_round']}"
-                         + (f", heads v{run['heads_version']}" if run["heads_version"] else "")
-                         + (", finished" if run["finished"] else ""))
+            lines.append(
+                f"  run {name}: {run['rounds']} round(s) seen, trained in {run['trained']}, declined "
+                f"in {run['declined']}, last round {run['last_round']}"
+                + (f", heads v{run['heads_version']}" if run["heads_version"] else "")
+                + (", finished" if run["finished"] else "")
+            )
         last = status["last_round"]
         lines.append(f"last round: {last['round']} of run {last['run']}")
     else:
         lines.append("runs joined: none yet")
     heads = status["heads"]
     if heads:
-        lines.append(f"heads: v{heads['version']} of run {heads['run_name']} (round {heads['round']}, sha256 "
-                     f"{str(heads['sha256'])[:12]}) in {heads['folder']}")
+        lines.append(
+            f"heads: v{heads['version']} of run {heads['run_name']} (round {heads['round']}, sha256 "
+            f"{str(heads['sha256'])[:12]}) in {heads['folder']}"
+        )
     else:
         lines.append("heads: none kept yet (a round's evaluation delivers them)")
     lines.append("stored:")
@@ -238,16 +280,21 @@ def forget(state_dir: Path, yes: bool = False) -> str:
         raise FedLookaheadError(
             f"forget deletes this device's tokenised private text and its features in {state} "
             f"({', '.join(p.name + '/' for p in targets) or 'nothing there now'}, {_mb(freed)}); the privacy ledger "
-            f"and the global heads stay; add --yes to delete them")
+            f"and the global heads stay; add --yes to delete them"
+        )
     daemon = _read_json(state / DAEMON_FILE)
     if _daemon_alive(daemon):
-        raise FedLookaheadError(f"fedla client is running on {state} (pid {daemon['pid']}): stop it first, "
-                                "its rounds would write the caches again")
+        raise FedLookaheadError(
+            f"fedla client is running on {state} (pid {daemon['pid']}): stop it first, "
+            "its rounds would write the caches again"
+        )
     for path in targets:
         if path.is_symlink() or path.is_file():
             path.unlink()
         else:
             shutil.rmtree(path)
     kept = [name for name in ("privacy-ledger.json", "trained-once", "heads") if (state / name).exists()]
-    return (f"forgot {', '.join(p.name + '/' for p in targets) or 'nothing (no private caches)'} in {state} "
-            f"({_mb(freed)}); kept {', '.join(kept) or 'nothing else'}")
+    return (
+        f"forgot {', '.join(p.name + '/' for p in targets) or 'nothing (no private caches)'} in {state} "
+        f"({_mb(freed)}); kept {', '.join(kept) or 'nothing else'}"
+    )

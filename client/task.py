@@ -84,8 +84,9 @@ def _group_files(source: str) -> list[tuple[Path, str]]:
         root = stdlib_dir()
         return [(p, p.relative_to(root).parts[0].removesuffix(".py")) for p in stdlib_files("train")]
     root = Path(source).expanduser().resolve()
-    return [(p, p.relative_to(root).parts[0] if len(p.relative_to(root).parts) > 1 else p.stem)
-            for p in text_files(root)]
+    return [
+        (p, p.relative_to(root).parts[0] if len(p.relative_to(root).parts) > 1 else p.stem) for p in text_files(root)
+    ]
 
 
 def chunk_corpus(files: list[tuple[Path, str]], tokenizer, chunk_len: int, progress: bool = False) -> Corpus:
@@ -122,8 +123,9 @@ def chunk_cache_dir(node_config: Mapping[str, Any]) -> Path:
     return cache_root() / "chunks"
 
 
-def load_corpus(source: str, base: BaseModel, chunk_len: int, cache_dir: Path | None = None,
-                progress: bool = False) -> Corpus:
+def load_corpus(
+    source: str, base: BaseModel, chunk_len: int, cache_dir: Path | None = None, progress: bool = False
+) -> Corpus:
     """The chunks of `source` for `base`'s tokenizer: memory cache, then disk cache (`cache_dir`,
     default <cache>/chunks), then tokenise."""
     key = (source, base.fingerprint, chunk_len)
@@ -196,8 +198,14 @@ def make_partitioner(config: FedConfig, num_partitions: int) -> Partitioner:
     if config.partitioning == "iid":
         return IidPartitioner(num_partitions)
     if config.partitioning == "dirichlet":
-        return DirichletPartitioner(num_partitions, partition_by="group", alpha=config.dirichlet_alpha,
-                                    min_partition_size=0, self_balancing=True, seed=config.seed)
+        return DirichletPartitioner(
+            num_partitions,
+            partition_by="group",
+            alpha=config.dirichlet_alpha,
+            min_partition_size=0,
+            self_balancing=True,
+            seed=config.seed,
+        )
     return PackagePartitioner(num_partitions)
 
 
@@ -212,10 +220,13 @@ def partition_indices(corpus: Corpus, config: FedConfig, num_partitions: int, pa
             partitioner = make_partitioner(config, num_partitions)
             partitioner.dataset = table
             try:
-                _PARTITIONS[key] = [np.asarray(partitioner.load_partition(p)["idx"], dtype=np.int64)
-                                    for p in range(num_partitions)]
+                _PARTITIONS[key] = [
+                    np.asarray(partitioner.load_partition(p)["idx"], dtype=np.int64) for p in range(num_partitions)
+                ]
             except ValueError as exc:
-                raise FedLookaheadError(f"cannot make {num_partitions} {config.partitioning} partitions: {exc}") from exc
+                raise FedLookaheadError(
+                    f"cannot make {num_partitions} {config.partitioning} partitions: {exc}"
+                ) from exc
         return _PARTITIONS[key][partition_id]
 
 
@@ -241,8 +252,9 @@ def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
     return cache_root() / "features"
 
 
-def client_features(config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict,
-                    progress: bool = False) -> Features:
+def client_features(
+    config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict, progress: bool = False
+) -> Features:
     """Base features of this client's chunks, computed once and reused across rounds (common/features.py)."""
     return base_features(base, chunks, feature_cache_dir(config, node_config), progress=progress)
 

@@ -158,7 +158,9 @@ def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:
         return torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if not getattr(tokenizer, "chat_template", None):
         raise FedLookaheadError(f"--chat needs a chat template, and the tokenizer in {model.path} has none")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return torch.tensor(ids, dtype=torch.long)

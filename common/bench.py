@@ -56,7 +56,9 @@ class ModeTotals:
 def hf_generate(base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_lookup: int | None = None) -> Run:
     """transformers' own generate, greedy (optionally with prompt lookup), timed and with forwards counted."""
     eos = base.model.generation_config.eos_token_id
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    pad = (
+        base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    )
     kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     with torch.no_grad(), ForwardCounter(base.model) as counter:
         started = time.perf_counter()
@@ -91,7 +93,13 @@ def run_mode(
         policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
         mode = "ams"
     result = generate(
-        base, ids, mode=mode, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy,
+        base,
+        ids,
+        mode=mode,
+        heads=heads,
+        max_new_tokens=max_new_tokens,
+        degeneration_guard=False,
+        policy=policy,
         curve=curve,
     )
     return Run(result.tokens, result.seconds, max(1, result.base_forwards))
@@ -190,8 +198,10 @@ def format_table(summary: dict) -> str:
             f"{mode:<18}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}"
             f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {_identity(row)}"
         )
-    lines.append(f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
-                 f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop")
+    lines.append(
+        f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
+        f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop"
+    )
     return "\n".join(lines)
 
 
@@ -199,5 +209,8 @@ def _identity(row: dict) -> str:
     if row["identical_to_hf_greedy"]:
         return "yes"
     ties = sum(d["near_tie"] for d in row["divergences"])
-    return f"NO: {row['mismatches']} differ ({ties} at near-ties, gaps " + ", ".join(
-        f"{d['top2_logit_gap']:.1e}" for d in row["divergences"][:4]) + ")"
+    return (
+        f"NO: {row['mismatches']} differ ({ties} at near-ties, gaps "
+        + ", ".join(f"{d['top2_logit_gap']:.1e}" for d in row["divergences"][:4])
+        + ")"
+    )

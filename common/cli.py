@@ -23,8 +23,11 @@ from common.training import DEFAULT_DRAFT_VOCAB
 PLUGIN_GROUP = "fedlookahead.cli"
 
 # Tracebacks never print local variables: they would show dashboard tokens and database passwords.
-app = typer.Typer(help="FedLookahead: federated lookahead heads for fast lossless decoding.", no_args_is_help=True,
-                  pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help="FedLookahead: federated lookahead heads for fast lossless decoding.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 log = logging.getLogger("fedla")
 
 
@@ -58,15 +61,25 @@ def train_heads_cmd(
     base: Optional[str] = typer.Option(None, help=BASE_HELP),
     epochs: int = typer.Option(4, min=1, help="Passes over the data (training stops at --max-minutes in any case)."),
     num_heads: int = typer.Option(4, min=1, max=16, help="K lookahead heads."),
-    arch: str = typer.Option("recurrent", help="recurrent (each step fuses the token drafted before) | parallel (Medusa)."),
-    draft_vocab: int = typer.Option(DEFAULT_DRAFT_VOCAB, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."),
+    arch: str = typer.Option(
+        "recurrent", help="recurrent (each step fuses the token drafted before) | parallel (Medusa)."
+    ),
+    draft_vocab: int = typer.Option(
+        DEFAULT_DRAFT_VOCAB, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."
+    ),
     chunk_len: int = typer.Option(128, min=8, help="Tokens per training chunk."),
     batch_size: int = typer.Option(16, min=1),
     lr: float = typer.Option(2e-3),
     max_chunks: int = typer.Option(2000, min=0, help="Use at most this many chunks (0: all)."),
-    max_minutes: float = typer.Option(10.0, min=0.0, help="Stop training after this long (features excluded); 0: no limit."),
-    distill_chunks: int = typer.Option(0, min=0, help="Add this many self-distilled chunks: half a public chunk, then "
-                                       "the base's own greedy continuation (what the heads see while decoding)."),
+    max_minutes: float = typer.Option(
+        10.0, min=0.0, help="Stop training after this long (features excluded); 0: no limit."
+    ),
+    distill_chunks: int = typer.Option(
+        0,
+        min=0,
+        help="Add this many self-distilled chunks: half a public chunk, then "
+        "the base's own greedy continuation (what the heads see while decoding).",
+    ),
     eval_data: Optional[Path] = typer.Option(None, help="Held-out folder (default: stdlib held-out split)."),
     eval_chunks: int = typer.Option(256, min=1, help="Held-out chunks to evaluate on."),
     device: str = typer.Option("auto"),
@@ -85,17 +98,35 @@ def train_heads_cmd(
                 text_files(folder)  # fail on a bad folder before loading any model
         model = open_base(base, device)
         tokenizer = model.tokenizer
-        chunks = load_chunks(data, tokenizer, chunk_len) if data else chunk_files(stdlib_files("train"), tokenizer, chunk_len)
-        heldout = load_chunks(eval_data, tokenizer, chunk_len) if eval_data else chunk_files(stdlib_files("heldout"), tokenizer, chunk_len)
+        chunks = (
+            load_chunks(data, tokenizer, chunk_len)
+            if data
+            else chunk_files(stdlib_files("train"), tokenizer, chunk_len)
+        )
+        heldout = (
+            load_chunks(eval_data, tokenizer, chunk_len)
+            if eval_data
+            else chunk_files(stdlib_files("heldout"), tokenizer, chunk_len)
+        )
     except FedLookaheadError as exc:
         fail(str(exc))
     generator = torch.Generator().manual_seed(0)
     if max_chunks:
         chunks = chunks[torch.randperm(len(chunks), generator=generator)[:max_chunks]]
     heldout = heldout[torch.randperm(len(heldout), generator=generator)[:eval_chunks]]
-    heads, report = fit_heads(model, chunks, heldout, num_heads, arch, draft_vocab, epochs=epochs, lr=lr,
-                              batch_size=batch_size, max_seconds=max_minutes * 60 or float("inf"),
-                              distill_chunks=distill_chunks)
+    heads, report = fit_heads(
+        model,
+        chunks,
+        heldout,
+        num_heads,
+        arch,
+        draft_vocab,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        max_seconds=max_minutes * 60 or float("inf"),
+        distill_chunks=distill_chunks,
+    )
     heads.save(out)
     report["heads"] = str(out)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
@@ -125,8 +156,10 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str, state_di
     if heads is None and state_dir is not None:
         heads = state_dir.expanduser() / "heads" / "latest"
         if not heads.exists():
-            raise FedLookaheadError(f"no heads in {state_dir} yet ({heads} does not exist): a round's evaluation "
-                                    "delivers them; `fedla client status` shows the device's state")
+            raise FedLookaheadError(
+                f"no heads in {state_dir} yet ({heads} does not exist): a round's evaluation "
+                "delivers them; `fedla client status` shows the device's state"
+            )
     if heads is not None:  # asked for by name: never a silent fallback to plain decoding
         loaded = DraftHeads.load(heads, model)
     else:
@@ -148,13 +181,20 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str, state_di
 def generate_cmd(
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template (instruct models); "
-                              "default: raw completion."),
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="Wrap the prompt in the tokenizer's chat template (instruct models); default: raw completion.",
+    ),
     base: Optional[str] = typer.Option(None, help=BASE_HELP),
-    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS, else the cache's heads/latest, "
-                                         "else the daemon's <cache>/client/heads/latest)."),
-    state_dir: Optional[Path] = typer.Option(None, help="A device's state folder (fedla client --state-dir): use its "
-                                             "newest global heads."),
+    heads: Optional[Path] = typer.Option(
+        None,
+        help="Heads directory (default: $FEDLA_HEADS, else the cache's heads/latest, "
+        "else the daemon's <cache>/client/heads/latest).",
+    ),
+    state_dir: Optional[Path] = typer.Option(
+        None, help="A device's state folder (fedla client --state-dir): use its newest global heads."
+    ),
     mode: str = typer.Option("ams", help="ams | greedy | beam | fused"),
     max_new_tokens: int = typer.Option(128, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; > 0 samples (lossless in ams mode)."),
@@ -186,9 +226,18 @@ def generate_cmd(
         draft_heads = _decoding_heads(heads, model, mode, state_dir)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = generate(model, ids, mode=mode, heads=draft_heads, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, stop_strings=stop,
-                              degeneration_guard=not no_guard, seed=seed)
+            result = generate(
+                model,
+                ids,
+                mode=mode,
+                heads=draft_heads,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_strings=stop,
+                degeneration_guard=not no_guard,
+                seed=seed,
+            )
         for warning in caught:
             if draft_heads is not None or mode not in ("ams", "fused"):
                 typer.echo(f"warning: {warning.message}", err=True)
@@ -207,7 +256,9 @@ def generate_cmd(
 def bench_decode_cmd(
     data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib held-out split)."),
     base: Optional[str] = typer.Option(None, help=BASE_HELP),
-    heads: Optional[Path] = typer.Option(None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."),
+    heads: Optional[Path] = typer.Option(
+        None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."
+    ),
     prompts: int = typer.Option(20, min=1, help="Number of prompts."),
     prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
     max_new_tokens: int = typer.Option(128, min=1),
@@ -215,9 +266,13 @@ def bench_decode_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
-    modes: str = typer.Option("hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
-                              help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree."),
-    calibrate: bool = typer.Option(False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."),
+    modes: str = typer.Option(
+        "hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
+        help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree.",
+    ),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."
+    ),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
     from common.bench import decode_benchmark, format_table
@@ -231,9 +286,11 @@ def bench_decode_cmd(
     try:
         model = open_base(base, device, dtype)
         curve = cost_curve(model, remeasure=calibrate)
-        typer.echo("verify cost c(n)/c(1) on this device: "
-                   + ", ".join(f"{n}: {c:.2f}" for n, c in curve.relative().items())
-                   + f" (one token: {curve.verify(1, 1) * 1000:.1f} ms)")
+        typer.echo(
+            "verify cost c(n)/c(1) on this device: "
+            + ", ".join(f"{n}: {c:.2f}" for n, c in curve.relative().items())
+            + f" (one token: {curve.verify(1, 1) * 1000:.1f} ms)"
+        )
         files = text_files(data) if data else stdlib_files("heldout")
         chosen = prompts_from_files(files, model.tokenizer, prompts, prompt_tokens)
         if not chosen:
@@ -241,8 +298,9 @@ def bench_decode_cmd(
         draft_heads = _decoding_heads(heads, model, "ams")
         if draft_heads is None:
             typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
-        summary = decode_benchmark(model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")),
-                                   curve=curve)
+        summary = decode_benchmark(
+            model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")), curve=curve
+        )
     except (FedLookaheadError, ValueError) as exc:
         fail(str(exc))
     summary["cost_curve"] = curve.relative()

@@ -24,8 +24,10 @@ def fail(message: str) -> NoReturn:
 
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_HELP = ("auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
-              "weights, and losslessness is judged against the base in that dtype.")
+DTYPE_HELP = (
+    "auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
+    "weights, and losslessness is judged against the base in that dtype."
+)
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
 
 

@@ -14,7 +14,22 @@ from common.base import FedLookaheadError
 
 log = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json", ".toml", ".cfg"}
+TEXT_SUFFIXES = {
+    ".py",
+    ".txt",
+    ".md",
+    ".rst",
+    ".c",
+    ".h",
+    ".js",
+    ".ts",
+    ".java",
+    ".go",
+    ".rs",
+    ".json",
+    ".toml",
+    ".cfg",
+}
 # Parts of the standard library that are test suites or vendored data rather than ordinary code.
 STDLIB_EXCLUDED = {"site-packages", "test", "tests", "idle_test", "__pycache__", "config-3.11-x86_64-linux-gnu"}
 HELDOUT_BUCKETS = 10  # one top-level stdlib name in ten is held out for evaluation
@@ -108,7 +123,9 @@ def load_chunks(directory: str | Path, tokenizer: PreTrainedTokenizerBase, chunk
     return chunks
 
 
-def prompts_from_files(files: list[Path], tokenizer: PreTrainedTokenizerBase, count: int, prompt_tokens: int) -> list[torch.Tensor]:
+def prompts_from_files(
+    files: list[Path], tokenizer: PreTrainedTokenizerBase, count: int, prompt_tokens: int
+) -> list[torch.Tensor]:
     """`count` prompts: the first `prompt_tokens` tokens of files (or of successive chunks of long files)."""
     prompts: list[torch.Tensor] = []
     per_file = max(1, -(-count // max(1, len(files))))

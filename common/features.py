@@ -48,8 +48,11 @@ class Features:
         return Features(self.tokens[index], self.hidden[index], self.greedy[index])
 
     def __add__(self, other: Features) -> Features:
-        return Features(torch.cat([self.tokens, other.tokens]), torch.cat([self.hidden, other.hidden]),
-                        torch.cat([self.greedy, other.greedy]))
+        return Features(
+            torch.cat([self.tokens, other.tokens]),
+            torch.cat([self.hidden, other.hidden]),
+            torch.cat([self.greedy, other.greedy]),
+        )
 
     def dataset(self) -> TensorDataset:
         """One row per chunk (hidden, tokens, greedy): one DP privacy unit per row."""
@@ -61,8 +64,9 @@ def compute_features(base: BaseModel, chunks: torch.Tensor, batch_size: int = 16
     """One base forward per batch of chunks: hidden states (after the final norm) and greedy choices."""
     lm_head = base.model.get_output_embeddings()
     hidden_out, greedy_out = [], []
-    for start in tqdm(range(0, len(chunks), batch_size), desc="base features", unit="batch",
-                      disable=not progress, leave=False):
+    for start in tqdm(
+        range(0, len(chunks), batch_size), desc="base features", unit="batch", disable=not progress, leave=False
+    ):
         batch = chunks[start : start + batch_size].to(base.device)
         hidden = base.features(batch)
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -101,7 +105,9 @@ def extractor_for(base: BaseModel) -> BaseModel:
     return _EXTRACTORS[key]
 
 
-def base_features(base: BaseModel, chunks: torch.Tensor, cache_dir: Path | None = None, progress: bool = False) -> Features:
+def base_features(
+    base: BaseModel, chunks: torch.Tensor, cache_dir: Path | None = None, progress: bool = False
+) -> Features:
     """Features of `chunks` for training or evaluating heads on `base`: cached, fast dtype."""
     return cached_features(extractor_for(base), chunks, cache_dir, progress=progress)
 

@@ -57,16 +57,21 @@ class FedConfig:
     dp_noise_multiplier: float = _knob(0.0, "> 0: fixed sigma instead of calibrating to dp-target-epsilon")
     dp_max_grad_norm: float = _knob(1.0, "per-chunk gradient clipping bound")
     dp_planned_rounds: int = _knob(0, "rounds a client plans to join for sigma calibration; 0: num-server-rounds")
-    dp_level: str = _knob("example", "example: Opacus DP-SGD per chunk on each client | user: clipped client updates +"
-                                     " server noise (fl-dp-sa)")
-    dp_user_clip: float = _knob(0.1, "dp-level=user: L2 bound of one client's update per round (Flower's "
-                                     "fixedclipping_mod)")
-    dp_trainable: str = _knob("all", "head parameters trained on clients: all | fusion | blocks (fewer parameters "
-                                     "under noise)")
+    dp_level: str = _knob(
+        "example",
+        "example: Opacus DP-SGD per chunk on each client | user: clipped client updates + server noise (fl-dp-sa)",
+    )
+    dp_user_clip: float = _knob(
+        0.1, "dp-level=user: L2 bound of one client's update per round (Flower's fixedclipping_mod)"
+    )
+    dp_trainable: str = _knob(
+        "all", "head parameters trained on clients: all | fusion | blocks (fewer parameters under noise)"
+    )
 
     # server-side optimiser over the (secure) mean update
-    server_optimizer: str = _knob("fedavg", "fedavg | fedavgm | fedadam over the (secure) mean update "
-                                            "(server/server_optimizer.py)")
+    server_optimizer: str = _knob(
+        "fedavg", "fedavg | fedavgm | fedadam over the (secure) mean update (server/server_optimizer.py)"
+    )
     server_lr: float = _knob(1.0, "server learning rate of fedavgm / fedadam")
     server_momentum: float = _knob(0.9, "fedavgm momentum; fedadam beta1")
 
@@ -100,8 +105,9 @@ class FedConfig:
 
     # simulation and devices
     dropout_rate: float = _knob(0.0, "simulation only: this share of sampled clients crashes mid-round")
-    client_state_dir: str = _knob("", "simulation: persist client privacy accountants here (devices: node config "
-                                      "state-dir)")
+    client_state_dir: str = _knob(
+        "", "simulation: persist client privacy accountants here (devices: node config state-dir)"
+    )
     seed: int = _knob(0, "seed of sampling and partitioning (never of DP noise)")
     device: str = _knob("cpu", "cpu | cuda | auto")
 
@@ -166,8 +172,11 @@ class FedConfig:
                 raise FedLookaheadError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
             if self.dp_noise_multiplier <= 0 and not self.dp_target_epsilon > 0:
                 raise FedLookaheadError("set dp-target-epsilon > 0 or dp-noise-multiplier > 0 (or dp=false)")
-        for key, value, allowed in (("dp-level", self.dp_level, DP_LEVELS), ("dp-trainable", self.dp_trainable, DP_TRAINABLE),
-                                    ("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)):
+        for key, value, allowed in (
+            ("dp-level", self.dp_level, DP_LEVELS),
+            ("dp-trainable", self.dp_trainable, DP_TRAINABLE),
+            ("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS),
+        ):
             if value not in allowed:
                 raise FedLookaheadError(f"unknown {key} {value!r}: use one of {allowed}")
         if self.dp and self.dp_level == "user" and not self.dp_user_clip > 0:
@@ -183,7 +192,9 @@ class FedConfig:
             if isinstance(shares, int) and shares <= 2:
                 raise FedLookaheadError(f"secagg-num-shares as a count must be > 2, got {shares}")
             if isinstance(threshold, float) and not 0 < threshold <= 1:
-                raise FedLookaheadError(f"secagg-reconstruction-threshold as a share must be in (0, 1], got {threshold}")
+                raise FedLookaheadError(
+                    f"secagg-reconstruction-threshold as a share must be in (0, 1], got {threshold}"
+                )
             if isinstance(threshold, int) and isinstance(shares, int) and threshold >= shares:
                 raise FedLookaheadError(
                     f"secagg-reconstruction-threshold ({threshold}) must be below secagg-num-shares ({shares})"

@@ -13,8 +13,9 @@ from common.heads import DraftHeads
 log = logging.getLogger(__name__)
 
 
-def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int,
-               ngram: bool = True) -> float | None:
+def decode_tau(
+    base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int, ngram: bool = True
+) -> float | None:
     """Mean AMS-LD tau (tokens accepted per base forward, bonus token included) over `prompts`.
 
     `ngram=False` switches off the decoder's prompt-lookup drafter, so tau measures the heads alone.
@@ -24,8 +25,10 @@ def decode_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], 
         return None
     try:
         policy = AmsPolicy() if ngram else AmsPolicy(ngram=False)
-        taus = [float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens, policy=policy).tau)
-                for p in prompts]
+        taus = [
+            float(generate(base, p, mode="ams", heads=heads, max_new_tokens=max_new_tokens, policy=policy).tau)
+            for p in prompts
+        ]
     except Exception:  # noqa: BLE001 - a decoder failure costs this measurement, never the federated run
         log.exception("AMS-LD decoding failed: tau not measured this time")
         return None

@@ -65,7 +65,9 @@ class HeadsConfig:
         if not isinstance(self.base_fingerprint, str):
             raise FedLookaheadError("bad heads config: base_fingerprint must be a string")
         if self.arch not in ARCHITECTURES:
-            raise FedLookaheadError(f"bad heads config: arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+            raise FedLookaheadError(
+                f"bad heads config: arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}"
+            )
         vocab = self.draft_vocab
         if not isinstance(vocab, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in vocab):
             raise FedLookaheadError("bad heads config: draft_vocab must be a list of token ids")
@@ -147,7 +149,9 @@ class DraftHeads(nn.Module):
         Plain attributes, not parameters or buffers: never in state_dict, invisible to Opacus.
         """
         lm_head = base.model.get_output_embeddings()
-        ids = torch.tensor(self.config.draft_vocab or range(self.config.vocab_size), dtype=torch.long, device=base.device)
+        ids = torch.tensor(
+            self.config.draft_vocab or range(self.config.vocab_size), dtype=torch.long, device=base.device
+        )
         to_draft = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=base.device)
         to_draft[ids] = torch.arange(len(ids), device=base.device)
         bias = getattr(lm_head, "bias", None)
@@ -165,8 +169,14 @@ class DraftHeads(nn.Module):
     def fresh(
         cls, base: BaseModel, num_heads: int = 4, arch: str = "recurrent", draft_vocab: list[int] | None = None
     ) -> DraftHeads:
-        config = HeadsConfig(num_heads, base.hidden_size, base.vocab_size, base.fingerprint, arch=arch,
-                             draft_vocab=list(draft_vocab or []))
+        config = HeadsConfig(
+            num_heads,
+            base.hidden_size,
+            base.vocab_size,
+            base.fingerprint,
+            arch=arch,
+            draft_vocab=list(draft_vocab or []),
+        )
         return cls(config, base)
 
     @property

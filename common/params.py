@@ -36,7 +36,6 @@ ARCH = "heads-arch"
 DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
 
 
-
 class BaseMismatchError(FedLookaheadError):
     """The heads on offer were trained for another base model."""
 
@@ -109,8 +108,15 @@ def heads_from_config(config: Mapping[str, Any], base: BaseModel) -> DraftHeads:
     except ValueError as exc:
         raise FedLookaheadError("the server's draft vocabulary is not a list of token ids") from exc
     heads = DraftHeads(
-        HeadsConfig(int(config[NUM_HEADS]), base.hidden_size, base.vocab_size, base.fingerprint, int(config[VERSION]),
-                    arch=str(config.get(ARCH, "recurrent")), draft_vocab=draft_vocab),
+        HeadsConfig(
+            int(config[NUM_HEADS]),
+            base.hidden_size,
+            base.vocab_size,
+            base.fingerprint,
+            int(config[VERSION]),
+            arch=str(config.get(ARCH, "recurrent")),
+            draft_vocab=draft_vocab,
+        ),
         base,
     )
     names = str(config.get(NAMES, ""))
@@ -123,8 +129,9 @@ def heads_from_records(arrays: ArrayRecord, config: ConfigRecord, base: BaseMode
     """Heads from a native message (evaluate): check the base, then load the named tensors."""
     heads = heads_from_config(config, base)
     state = arrays.to_torch_state_dict()
-    reason = validate_update([v.numpy() for v in state.values()], expected_shapes(heads), bound=None,
-                             names=list(state.keys()))
+    reason = validate_update(
+        [v.numpy() for v in state.values()], expected_shapes(heads), bound=None, names=list(state.keys())
+    )
     if reason:
         raise FedLookaheadError(f"bad head parameters from the server: {reason}")
     heads.load_state_dict_checked(state)

@@ -51,8 +51,12 @@ def flower_bin(name: str) -> str:
 def flower_env(flwr_home: Path | str | None = None, **extra: str) -> dict[str, str]:
     """Environment for Flower's processes: no update check, no telemetry, no `uv sync`, venv first on PATH."""
     env = dict(os.environ)
-    env.update(FLWR_DISABLE_UPDATE_CHECK="1", FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               FLWR_TELEMETRY_ENABLED="0", PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}")
+    env.update(
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_TELEMETRY_ENABLED="0",
+        PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+    )
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)
     env.update(extra)

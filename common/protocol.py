@@ -76,8 +76,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def number(value: Any, name: str, *, lo: float | None = 0.0, hi: float | None = None,
-           allow_inf: bool = False, hi_open: bool = False) -> float:
+def number(
+    value: Any,
+    name: str,
+    *,
+    lo: float | None = 0.0,
+    hi: float | None = None,
+    allow_inf: bool = False,
+    hi_open: bool = False,
+) -> float:
     """A finite real number (not a bool) within [lo, hi]; +inf only with `allow_inf`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(f"{name} must be a number, got {type(value).__name__} {_show(value)}")
@@ -166,7 +173,7 @@ class TrainReply:
             if not isinstance(key, str):
                 _fail(f"metric key {_show(key)} is not a string")
             if key.startswith(ACC_PREFIX):
-                suffix = key[len(ACC_PREFIX):]
+                suffix = key[len(ACC_PREFIX) :]
                 if not suffix.isdigit() or int(suffix) < 1 or (num_heads is not None and int(suffix) > num_heads):
                     _fail(f"unknown metric {key}" + (f" for {num_heads} heads" if num_heads is not None else ""))
                 accuracies[int(suffix)] = number(value, key, hi=1.0)
@@ -213,10 +220,15 @@ class TrainReply:
     def to_metrics(self) -> dict[str, Any]:
         """The FitRes.metrics a client sends (Flower scalars only)."""
         out: dict[str, Any] = {
-            SKIPPED: int(self.skipped), SKIP_REASON: self.skip_reason,
-            DELTA: float(self.delta), DP: int(self.dp), Q: float(self.q),
-            NO_AMPLIFICATION: int(self.no_amplification), NOISE_MULTIPLIER: float(self.noise_multiplier),
-            STEPS: int(self.steps), NUM_TRAIN_CHUNKS: int(self.num_train_chunks),
+            SKIPPED: int(self.skipped),
+            SKIP_REASON: self.skip_reason,
+            DELTA: float(self.delta),
+            DP: int(self.dp),
+            Q: float(self.q),
+            NO_AMPLIFICATION: int(self.no_amplification),
+            NOISE_MULTIPLIER: float(self.noise_multiplier),
+            STEPS: int(self.steps),
+            NUM_TRAIN_CHUNKS: int(self.num_train_chunks),
             TRAIN_SECONDS: float(self.train_seconds),
         }
         if self.epsilon is not None:
@@ -261,8 +273,13 @@ class EvalReply:
             _fail(f"{count} evaluation examples but no {HEAD_ACCURACY}")
         loss = None if metrics.get(LOSS) is None else number(metrics[LOSS], LOSS)
         tau = None if metrics.get(TAU) is None else number(metrics[TAU], TAU)
-        return cls(num_examples=count, loss=loss, head_accuracy=accuracy, tau=tau,
-                   eval_seconds=number(metrics.get(EVAL_SECONDS, 0.0), EVAL_SECONDS))
+        return cls(
+            num_examples=count,
+            loss=loss,
+            head_accuracy=accuracy,
+            tau=tau,
+            eval_seconds=number(metrics.get(EVAL_SECONDS, 0.0), EVAL_SECONDS),
+        )
 
     @classmethod
     def from_content(cls, content: Any, num_heads: int | None = None) -> EvalReply:
@@ -373,12 +390,29 @@ class RoundRecord:
                 put(name, _accuracies(getattr(self, name), name))
         if self.head_accuracy is None:
             _fail("head_accuracy must be a list of numbers, got None")
-        for name in ("tau", "client_tau", "tau_heads_only", "server_eval_loss", "target_epsilon", "fit_seconds",
-                     "server_eval_seconds", "client_eval_seconds", "client_train_seconds"):
+        for name in (
+            "tau",
+            "client_tau",
+            "tau_heads_only",
+            "server_eval_loss",
+            "target_epsilon",
+            "fit_seconds",
+            "server_eval_seconds",
+            "client_eval_seconds",
+            "client_train_seconds",
+        ):
             if getattr(self, name) is not None:
                 put(name, number(getattr(self, name), name))
-        for name in ("head_version", "sampled", "succeeded", "dropped", "no_amplification_clients",
-                     "bytes_down_per_client", "bytes_up_per_client", "eval_push_bytes_per_client"):
+        for name in (
+            "head_version",
+            "sampled",
+            "succeeded",
+            "dropped",
+            "no_amplification_clients",
+            "bytes_down_per_client",
+            "bytes_up_per_client",
+            "eval_push_bytes_per_client",
+        ):
             put(name, integer(getattr(self, name), name))
         if self.succeeded > self.sampled or self.dropped > self.sampled:
             _fail(f"succeeded ({self.succeeded}) and dropped ({self.dropped}) cannot exceed sampled ({self.sampled})")
@@ -397,47 +431,69 @@ class RoundRecord:
 
     @property
     def seconds(self) -> dict[str, float | None]:
-        return {"fit": self.fit_seconds, "server_eval": self.server_eval_seconds,
-                "client_eval": self.client_eval_seconds, "client_train_sum": self.client_train_seconds}
+        return {
+            "fit": self.fit_seconds,
+            "server_eval": self.server_eval_seconds,
+            "client_eval": self.client_eval_seconds,
+            "client_train_sum": self.client_train_seconds,
+        }
 
     @property
     def bytes(self) -> dict[str, int]:
-        return {"down_per_client": self.bytes_down_per_client, "up_per_client": self.bytes_up_per_client,
-                "eval_push_per_client": self.eval_push_bytes_per_client}
+        return {
+            "down_per_client": self.bytes_down_per_client,
+            "up_per_client": self.bytes_up_per_client,
+            "eval_push_per_client": self.eval_push_bytes_per_client,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The rounds/round-N.json layout (strict JSON: an unbounded epsilon is null)."""
-        return finite_or_none({
-            "round": self.round,
-            "head_version": self.head_version,
-            "aggregated": self.aggregated,
-            "aggregate_note": self.aggregate_note,
-            "metrics": {
-                "train_loss": self.train_loss,
-                "head_accuracy": list(self.head_accuracy),
-                "tau": self.tau,
-                "client_head_accuracy": None if self.client_head_accuracy is None else list(self.client_head_accuracy),
-                "client_tau": self.client_tau,
-            },
-            "train": {"loss_source": self.loss_source,
-                      "head_accuracy": None if self.train_head_accuracy is None else list(self.train_head_accuracy),
-                      "server_eval_loss": self.server_eval_loss},
-            "tau_heads_only": self.tau_heads_only,
-            "participation": {
-                "sampled": self.sampled, "succeeded": self.succeeded, "dropped": self.dropped,
-                "rejected": [dict(item) for item in self.rejected], "failures": dict(self.failures),
-                "induced_failures": list(self.induced_failures), "skipped_budget": dict(self.skipped_budget),
-                "weights": dict(self.weights), "capped_weights": dict(self.capped_weights),
-            },
-            "client_eval": dict(self.client_eval),
-            "privacy": {
-                "epsilon_max": self.epsilon_max, "epsilon_mean": self.epsilon_mean, "delta": self.delta,
-                "target_epsilon": self.target_epsilon, "epsilon_this_round": dict(self.epsilon_this_round),
-                "noise_multiplier": list(self.noise_multiplier), "q": list(self.q),
-                "no_amplification_clients": self.no_amplification_clients,
-            },
-            "bytes_per_client": self.bytes_per_client,
-            "bytes": self.bytes,
-            "wall_seconds": self.wall_seconds,
-            "seconds": self.seconds,
-        })
+        return finite_or_none(
+            {
+                "round": self.round,
+                "head_version": self.head_version,
+                "aggregated": self.aggregated,
+                "aggregate_note": self.aggregate_note,
+                "metrics": {
+                    "train_loss": self.train_loss,
+                    "head_accuracy": list(self.head_accuracy),
+                    "tau": self.tau,
+                    "client_head_accuracy": None
+                    if self.client_head_accuracy is None
+                    else list(self.client_head_accuracy),
+                    "client_tau": self.client_tau,
+                },
+                "train": {
+                    "loss_source": self.loss_source,
+                    "head_accuracy": None if self.train_head_accuracy is None else list(self.train_head_accuracy),
+                    "server_eval_loss": self.server_eval_loss,
+                },
+                "tau_heads_only": self.tau_heads_only,
+                "participation": {
+                    "sampled": self.sampled,
+                    "succeeded": self.succeeded,
+                    "dropped": self.dropped,
+                    "rejected": [dict(item) for item in self.rejected],
+                    "failures": dict(self.failures),
+                    "induced_failures": list(self.induced_failures),
+                    "skipped_budget": dict(self.skipped_budget),
+                    "weights": dict(self.weights),
+                    "capped_weights": dict(self.capped_weights),
+                },
+                "client_eval": dict(self.client_eval),
+                "privacy": {
+                    "epsilon_max": self.epsilon_max,
+                    "epsilon_mean": self.epsilon_mean,
+                    "delta": self.delta,
+                    "target_epsilon": self.target_epsilon,
+                    "epsilon_this_round": dict(self.epsilon_this_round),
+                    "noise_multiplier": list(self.noise_multiplier),
+                    "q": list(self.q),
+                    "no_amplification_clients": self.no_amplification_clients,
+                },
+                "bytes_per_client": self.bytes_per_client,
+                "bytes": self.bytes,
+                "wall_seconds": self.wall_seconds,
+                "seconds": self.seconds,
+            }
+        )

@@ -23,7 +23,9 @@ from common.draft_vocab import build_draft_vocab, coverage
 from common.features import Features, base_features, fast_feature_dtype
 from common.heads import DraftHeads
 
-DEFAULT_DRAFT_VOCAB = 8192  # heads score the 8,192 most frequent greedy tokens (measured: see simulations/bench_heads.py)
+DEFAULT_DRAFT_VOCAB = (
+    8192  # heads score the 8,192 most frequent greedy tokens (measured: see simulations/bench_heads.py)
+)
 HEAD_LOSS_DECAY = 0.8  # Medusa-1: head k's cross-entropy weighted 0.8^k
 
 
@@ -111,8 +113,9 @@ def train_epoch(
     """
     metrics = HeadMetrics(num_heads)
     device = next(heads.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=mixed_precision and fast_feature_dtype(device) == torch.bfloat16)
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=mixed_precision and fast_feature_dtype(device) == torch.bfloat16
+    )
     heads.train()
     for hidden, tokens, greedy in tqdm(loader, desc=desc, unit="batch", disable=not show_progress, leave=False):
         optimizer.zero_grad(set_to_none=True)
@@ -157,14 +160,24 @@ def train_heads(
     total_steps = max(1, epochs * math.ceil(len(features) / batch_size))
     warmup = min(50, total_steps // 10 + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
     )
     deadline = time.perf_counter() + max_seconds
     history = []
     for epoch in range(epochs):
         loader = feature_loader(features, batch_size, shuffle=True, seed=seed + epoch)
-        metrics = train_epoch(heads, loader, optimizer, heads.num_heads, f"epoch {epoch + 1}/{epochs}",
-                              show_progress, scheduler, deadline, mixed_precision=True)
+        metrics = train_epoch(
+            heads,
+            loader,
+            optimizer,
+            heads.num_heads,
+            f"epoch {epoch + 1}/{epochs}",
+            show_progress,
+            scheduler,
+            deadline,
+            mixed_precision=True,
+        )
         history.append(metrics.summary())
         if time.perf_counter() > deadline:
             break
@@ -210,8 +223,16 @@ def fit_heads(
     torch.manual_seed(seed)
     heads = DraftHeads.fresh(base, num_heads, arch=arch, draft_vocab=draft_vocab)
     started = time.perf_counter()
-    history = train_heads(heads, features, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
-                          max_seconds=max_seconds, show_progress=show_progress)
+    history = train_heads(
+        heads,
+        features,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        max_seconds=max_seconds,
+        show_progress=show_progress,
+    )
     seconds = time.perf_counter() - started
     trained_tokens = sum(h["tokens"] for h in history)
     report = {

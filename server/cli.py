@@ -17,12 +17,19 @@ app = typer.Typer(pretty_exceptions_show_locals=False)
 
 @app.command("dashboard")
 def dashboard_cmd(
-    db: Optional[str] = typer.Option(None, help="Run store: SQLAlchemy URL or SQLite path (default: $FEDLA_DB or runs/fedla.db)."),
+    db: Optional[str] = typer.Option(
+        None, help="Run store: SQLAlchemy URL or SQLite path (default: $FEDLA_DB or runs/fedla.db)."
+    ),
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires a token."),
     port: int = typer.Option(8080, min=1, max=65535),
-    token: Optional[str] = typer.Option(None, envvar="FEDLA_DASHBOARD_TOKEN", help="Require this token on every request."),
-    run_dir: Optional[Path] = typer.Option(None, help="Folder holding the runs' <run-id>/ folders, when the store "
-                                           "is kept elsewhere (default: the store's own folder)."),
+    token: Optional[str] = typer.Option(
+        None, envvar="FEDLA_DASHBOARD_TOKEN", help="Require this token on every request."
+    ),
+    run_dir: Optional[Path] = typer.Option(
+        None,
+        help="Folder holding the runs' <run-id>/ folders, when the store "
+        "is kept elsewhere (default: the store's own folder).",
+    ),
 ) -> None:
     """Read-only web dashboard of federated runs: live plots, SecAgg+ settings, checkpoint download."""
     from server.dashboard import serve
@@ -53,15 +60,23 @@ def dashboard_screenshot_cmd(
 
 @app.command("server")
 def server_cmd(
-    certs: Optional[Path] = typer.Option(None, help="Folder with ca.crt, server.pem, server.key (simulations/make_certs.py)."),
+    certs: Optional[Path] = typer.Option(
+        None, help="Folder with ca.crt, server.pem, server.key (simulations/make_certs.py)."
+    ),
     ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate (instead of --certs)."),
     ssl_certfile: Optional[Path] = typer.Option(None, help="SuperLink TLS certificate (instead of --certs)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, help="SuperLink TLS private key (instead of --certs)."),
     host: str = typer.Option("127.0.0.1", help="Bind address; 0.0.0.0 to serve devices on the network."),
-    port: int = typer.Option(9092, min=1, max=65535, help="The one HTTPS port for Fleet, Control and ServerAppIo APIs."),
-    register: list[Path] = typer.Option([], help="SuperNode public key (.pub) or folder of them to authorise (repeatable)."),
+    port: int = typer.Option(
+        9092, min=1, max=65535, help="The one HTTPS port for Fleet, Control and ServerAppIo APIs."
+    ),
+    register: list[Path] = typer.Option(
+        [], help="SuperNode public key (.pub) or folder of them to authorise (repeatable)."
+    ),
     run_config: str = typer.Option("", help="Run config overrides, `k=v ...` (keys of [tool.flwr.app.config])."),
-    state_dir: Optional[Path] = typer.Option(None, help="SuperLink database, FLWR_HOME, logs (default: <cache>/server)."),
+    state_dir: Optional[Path] = typer.Option(
+        None, help="SuperLink database, FLWR_HOME, logs (default: <cache>/server)."
+    ),
     app_dir: Optional[Path] = typer.Option(None, "--app", help="Flower app folder (default: this checkout)."),
     run: bool = typer.Option(True, "--run/--no-run", help="Submit the FedLookahead run (or only serve)."),
     keep_running: bool = typer.Option(False, help="Keep serving after the run ends (Ctrl-C stops)."),
@@ -80,9 +95,18 @@ def server_cmd(
         fail("TLS is required: give --certs DIR or all of --ssl-ca-certfile, --ssl-certfile, --ssl-keyfile")
     exit_cleanly_on_sigterm()
     try:
-        code = serve(tls, host=host, port=port, state_dir=state_dir or cache_root() / "server", register=register,
-                     run_config=run_config, app_dir=(app_dir or repo_app_dir()).resolve(), run=run,
-                     keep_running=keep_running, run_timeout=run_timeout)
+        code = serve(
+            tls,
+            host=host,
+            port=port,
+            state_dir=state_dir or cache_root() / "server",
+            register=register,
+            run_config=run_config,
+            app_dir=(app_dir or repo_app_dir()).resolve(),
+            run=run,
+            keep_running=keep_running,
+            run_timeout=run_timeout,
+        )
     except FedLookaheadError as exc:
         fail(str(exc))
     raise typer.Exit(code=code)

@@ -54,13 +54,28 @@ def resolve_run_config(text: str, cwd: Path) -> tuple[dict, Path]:
     values["run-dir"] = str(run_dir if run_dir.is_absolute() else (cwd / run_dir).resolve())
     if not values.get("run-id") and not values.get("resume-from"):
         values["run-id"] = f"deploy-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    folder = Path(str(values["resume-from"])) if values.get("resume-from") else Path(values["run-dir"]) / str(values["run-id"])
+    folder = (
+        Path(str(values["resume-from"]))
+        if values.get("resume-from")
+        else Path(values["run-dir"]) / str(values["run-id"])
+    )
     return values, folder
 
 
-def serve(tls: TlsFiles, *, host: str, port: int, state_dir: Path, register: list[Path], run_config: str,
-          app_dir: Path, run: bool = True, keep_running: bool = False, run_timeout: float | None = None,
-          emit: Callable[[str], None] | None = None) -> int:
+def serve(
+    tls: TlsFiles,
+    *,
+    host: str,
+    port: int,
+    state_dir: Path,
+    register: list[Path],
+    run_config: str,
+    app_dir: Path,
+    run: bool = True,
+    keep_running: bool = False,
+    run_timeout: float | None = None,
+    emit: Callable[[str], None] | None = None,
+) -> int:
     """`fedla server`: returns 0 when the run finished (or, with run=False, when stopped)."""
     emit = emit or (lambda line: print(line, flush=True))
     keys: list[Path] = []
@@ -79,12 +94,15 @@ def serve(tls: TlsFiles, *, host: str, port: int, state_dir: Path, register: lis
     state_dir = Path(state_dir).expanduser().resolve()
     link = SuperLink.for_deployment(tls, state_dir, host=host, port=port, emit=emit)
     with link:
-        emit(f"SuperLink up on {host}:{port} (TLS, SuperNode authentication on); state {state_dir}; "
-             f"log {link.log_file}")
+        emit(
+            f"SuperLink up on {host}:{port} (TLS, SuperNode authentication on); state {state_dir}; log {link.log_file}"
+        )
         for key in keys:
             emit(link.register(key))
-        emit(f"flwr connection '{link.connection}' in {link.flwr_home / 'config.toml'} "
-             f"(FLWR_HOME={link.flwr_home} flwr ls {link.connection})")
+        emit(
+            f"flwr connection '{link.connection}' in {link.flwr_home / 'config.toml'} "
+            f"(FLWR_HOME={link.flwr_home} flwr ls {link.connection})"
+        )
         code = 0
         if run:
             code, _ = link.submit(app_dir, values, log_path=state_dir / "last-run.log", timeout=run_timeout)

@@ -58,17 +58,31 @@ class ServerEval:
     def run(self, heads: DraftHeads, base: BaseModel, config: FedConfig, heads_only: bool = False) -> dict[str, Any]:
         """Loss, per-head accuracy and AMS-LD tau; with `heads_only` also tau without the n-gram drafter
         (what the heads alone contribute: costs another decoding pass, so only done on the last round)."""
-        summary = evaluate_heads(heads, base_features(base, self.chunks), batch_size=config.batch_size) if len(self.chunks) else \
-            {"loss": 0.0, "head_accuracy": [0.0] * heads.num_heads}
+        summary = (
+            evaluate_heads(heads, base_features(base, self.chunks), batch_size=config.batch_size)
+            if len(self.chunks)
+            else {"loss": 0.0, "head_accuracy": [0.0] * heads.num_heads}
+        )
         tau = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens)
-        out = {"loss": float(summary["loss"]), "head_accuracy": [float(a) for a in summary["head_accuracy"]], "tau": tau}
+        out = {
+            "loss": float(summary["loss"]),
+            "head_accuracy": [float(a) for a in summary["head_accuracy"]],
+            "tau": tau,
+        }
         if heads_only:
             out["tau_heads_only"] = decode_tau(base, heads, self.prompts, config.eval_max_new_tokens, ngram=False)
         return out
 
 
-def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_round: int,
-                      nodes: list[int], rng: random.Random, final: bool = False) -> dict[str, Any]:
+def client_evaluation(
+    grid: Grid,
+    heads: DraftHeads,
+    config: FedConfig,
+    server_round: int,
+    nodes: list[int],
+    rng: random.Random,
+    final: bool = False,
+) -> dict[str, Any]:
     """Push the global heads (native ArrayRecord + ConfigRecord) to a sample of clients and average their eval.
 
     After the last round (`final`) the heads go to every node; the sampled ones also measure tau.
@@ -83,8 +97,14 @@ def client_evaluation(grid: Grid, heads: DraftHeads, config: FedConfig, server_r
     for node in targets:
         node_cfg = copy.deepcopy(cfg)
         node_cfg[MEASURE_TAU] = node in sampled
-        messages.append(Message(RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: node_cfg}),
-                                dst_node_id=node, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}"))
+        messages.append(
+            Message(
+                RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: node_cfg}),
+                dst_node_id=node,
+                message_type=MessageType.EVALUATE,
+                group_id=f"eval-{server_round}",
+            )
+        )
     push_bytes = array_record_bytes(arrays)
     timeout = config.round_timeout or None
     replies = list(grid.send_and_receive(messages, timeout=timeout))

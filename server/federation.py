@@ -36,7 +36,9 @@ from server.recorder import Recorder, latest_checkpoint
 from server.rounds import RoundContext, run_round
 from server.store import RunStore
 
-log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
+log = logging.getLogger(
+    "flwr.fedla.server"
+)  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
 
 def wait_for_nodes(grid: Grid, config: FedConfig) -> list[int]:
@@ -80,8 +82,13 @@ def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
         info.update(num_shares=shares, threshold=threshold, tolerated_dropouts=tolerated)
         planned_drops = int(round(config.dropout_rate * sampled))
         if planned_drops > tolerated:
-            log.warning("dropout-rate %.2f drops %d of %d clients, more than the %d SecAgg+ tolerates: "
-                        "those rounds will abort", config.dropout_rate, planned_drops, sampled, tolerated)
+            log.warning(
+                "dropout-rate %.2f drops %d of %d clients, more than the %d SecAgg+ tolerates: those rounds will abort",
+                config.dropout_rate,
+                planned_drops,
+                sampled,
+                tolerated,
+            )
     return info
 
 
@@ -107,8 +114,9 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
     if config.init_heads:
         heads = DraftHeads.load(config.init_heads, base)
     else:  # fresh heads still score only a public draft vocabulary: the full LM head makes DP training ~6x slower
-        heads = DraftHeads.fresh(base, config.num_heads,
-                                 draft_vocab=public_draft_vocab(base, DEFAULT_DRAFT_VOCAB, seed=config.seed))
+        heads = DraftHeads.fresh(
+            base, config.num_heads, draft_vocab=public_draft_vocab(base, DEFAULT_DRAFT_VOCAB, seed=config.seed)
+        )
     if heads.num_heads != config.num_heads:
         raise FedLookaheadError(f"init-heads has {heads.num_heads} heads but num-heads is {config.num_heads}")
     return Path(config.run_dir).expanduser().resolve() / run_id, run_id, heads, 1
@@ -128,14 +136,29 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
         plan = check_federation(config, len(nodes))
         if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)
             from server.user_dp import plan_user_dp
+
             plan["user_dp"] = plan_user_dp(config, plan["clients_per_round"], len(nodes))
-        log.info("run %s: %d nodes, plan %s, %d head parameters, base %s", run_id, len(nodes), plan,
-                 heads.num_trainable(), base.fingerprint)
-        recorder.describe({
-            "run_id": run_id, "flower_run_id": context.run_id, "config": config.to_dict(), "plan": plan,
-            "base_fingerprint": base.fingerprint, "base_dir": str(base.path),
-            "head_parameters": heads.num_trainable(), "head_bytes": sum(a.nbytes for a in heads_to_ndarrays(heads)),
-            "resumed_from_round": start_round - 1})
+        log.info(
+            "run %s: %d nodes, plan %s, %d head parameters, base %s",
+            run_id,
+            len(nodes),
+            plan,
+            heads.num_trainable(),
+            base.fingerprint,
+        )
+        recorder.describe(
+            {
+                "run_id": run_id,
+                "flower_run_id": context.run_id,
+                "config": config.to_dict(),
+                "plan": plan,
+                "base_fingerprint": base.fingerprint,
+                "base_dir": str(base.path),
+                "head_parameters": heads.num_trainable(),
+                "head_bytes": sum(a.nbytes for a in heads_to_ndarrays(heads)),
+                "resumed_from_round": start_round - 1,
+            }
+        )
         server_eval = ServerEval.build(base, config)
         client_manager = SimpleClientManager()
         thread, stop, ready = start_update_client_manager_thread(grid, client_manager)
@@ -143,14 +166,27 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
         workflow = None
         if config.secagg:
             workflow = SecAggPlusWorkflow(
-                num_shares=config.secagg_num_shares, reconstruction_threshold=config.secagg_reconstruction_threshold,
-                max_weight=config.secagg_max_weight, clipping_range=config.secagg_clipping_range,
-                quantization_range=config.secagg_quantization_range, timeout=config.round_timeout or None)
-        ctx = RoundContext(grid=grid, context=context, client_manager=client_manager, config=config, base=base,
-                           run_id=run_id, server_eval=server_eval,
-                           optimizer=server_optimizer.from_config(config),  # issue 12: fedavg | fedavgm | fedadam
-                           workflow=workflow, user_dp=plan.get("user_dp"),
-                           sample_rng=random.Random(config.seed), eval_rng=random.Random(config.seed + 1))
+                num_shares=config.secagg_num_shares,
+                reconstruction_threshold=config.secagg_reconstruction_threshold,
+                max_weight=config.secagg_max_weight,
+                clipping_range=config.secagg_clipping_range,
+                quantization_range=config.secagg_quantization_range,
+                timeout=config.round_timeout or None,
+            )
+        ctx = RoundContext(
+            grid=grid,
+            context=context,
+            client_manager=client_manager,
+            config=config,
+            base=base,
+            run_id=run_id,
+            server_eval=server_eval,
+            optimizer=server_optimizer.from_config(config),  # issue 12: fedavg | fedavgm | fedadam
+            workflow=workflow,
+            user_dp=plan.get("user_dp"),
+            sample_rng=random.Random(config.seed),
+            eval_rng=random.Random(config.seed + 1),
+        )
         for server_round in range(start_round, config.num_server_rounds + 1):
             recorder.record(run_round(ctx, heads, server_round), heads)
         recorder.finish("finished")

@@ -44,7 +44,9 @@ from common.fedconfig import FedConfig
 from common.params import validate_masked, validate_update
 from common.protocol import FITRES_PARAMETERS, ReplyError, TrainReply
 
-log = logging.getLogger("flwr.fedla.server")  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
+log = logging.getLogger(
+    "flwr.fedla.server"
+)  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
 REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own codes are small integers)
 MOD_RANGE = 4294967296  # SecAggPlusWorkflow's modulus_range (its default; we never change it)
@@ -94,8 +96,15 @@ class GuardedGrid(Grid):
     else is delegated to the wrapped grid.
     """
 
-    def __init__(self, grid: Grid, config: FedConfig, exchange: ExchangeLog, shapes: list[tuple[str, tuple[int, ...]]],
-                 num_heads: int | None, default_timeout: float | None) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        config: FedConfig,
+        exchange: ExchangeLog,
+        shapes: list[tuple[str, tuple[int, ...]]],
+        num_heads: int | None,
+        default_timeout: float | None,
+    ) -> None:
         self._grid = grid
         self._config = config
         self.exchange = exchange
@@ -111,8 +120,9 @@ class GuardedGrid(Grid):
     def run(self) -> Run:
         return self._grid.run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
     def get_node_ids(self) -> Iterable[int]:
@@ -131,7 +141,9 @@ class GuardedGrid(Grid):
             if msg.metadata.message_type == MessageType.TRAIN and "fitins.parameters" in msg.content.array_records:
                 self.exchange.bytes_down.append(array_record_bytes(msg.content.array_records["fitins.parameters"]))
         wanted = {m.metadata.dst_node_id for m in messages}
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout if timeout is not None else self.default_timeout))
+        replies = list(
+            self._grid.send_and_receive(messages, timeout=timeout if timeout is not None else self.default_timeout)
+        )
         strangers = [r for r in replies if r.metadata.src_node_id not in wanted]
         for reply in strangers:
             log.warning("dropped a reply from node %s, which was not asked", reply.metadata.src_node_id)
@@ -160,7 +172,9 @@ class GuardedGrid(Grid):
             return reply
         log.warning("rejected the reply of node %s: %s", node, reason)
         self.exchange.rejected.append({"node": node, "reason": reason})
-        return Message(metadata=copy.copy(reply.metadata), error=Error(code=REJECTED_CODE, reason=f"rejected: {reason}"))
+        return Message(
+            metadata=copy.copy(reply.metadata), error=Error(code=REJECTED_CODE, reason=f"rejected: {reason}")
+        )
 
     def _validate(self, node: int, content: RecordDict, stage: str | None) -> None:
         """Raise ReplyError unless `content` is a well-formed answer to `stage` (None: plain FedAvg)."""
@@ -201,7 +215,9 @@ class GuardedGrid(Grid):
             # plaintext count is not, and an honest client never claims more than secagg-max-weight
             # (beyond it, its factor would overflow the quantised sum).
             if reply.num_examples > self._config.secagg_max_weight:
-                raise ReplyError(f"weight {reply.num_examples} above secagg-max-weight {self._config.secagg_max_weight:g}")
+                raise ReplyError(
+                    f"weight {reply.num_examples} above secagg-max-weight {self._config.secagg_max_weight:g}"
+                )
             payload = content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.MASKED_PARAMETERS)
             if not isinstance(payload, list) or not all(isinstance(b, bytes) for b in payload):
                 raise ReplyError("SecAgg+ reply has no masked vector")
@@ -235,7 +251,6 @@ def weight_cap(config: FedConfig) -> int:
     if config.max_chunks_per_client:
         cap = min(cap, config.max_chunks_per_client)
     return max(1, cap)
-
 
 
 def short_reason(reason: str, limit: int = 300) -> str:

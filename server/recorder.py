@@ -50,10 +50,14 @@ class Recorder:
 
     def start(self, config: FedConfig) -> None:
         """The run's row in the store (a resumed run is set back to running, its rounds kept)."""
-        secagg = {"enabled": config.secagg, "num_shares": config.secagg_num_shares,
-                  "reconstruction_threshold": config.secagg_reconstruction_threshold,
-                  "clipping_range": config.secagg_clipping_range,
-                  "quantization_range": config.secagg_quantization_range, "max_weight": config.secagg_max_weight}
+        secagg = {
+            "enabled": config.secagg,
+            "num_shares": config.secagg_num_shares,
+            "reconstruction_threshold": config.secagg_reconstruction_threshold,
+            "clipping_range": config.secagg_clipping_range,
+            "quantization_range": config.secagg_quantization_range,
+            "max_weight": config.secagg_max_weight,
+        }
         self.store.start_run(self.run_id, finite_or_none(config.to_dict()), secagg)
 
     def describe(self, info: dict[str, Any]) -> None:
@@ -64,15 +68,33 @@ class Recorder:
         """The round's checkpoint, round file, store row and summary, and its one log line."""
         ckpt_dir = heads.save(self.run_dir / "checkpoints" / f"round-{record.round}")
         size = sum(p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file())
-        self.store.record_checkpoint(self.run_id, record.round, head_version=heads.config.version, path=str(ckpt_dir),
-                                     size_bytes=size, sha256=file_sha256(ckpt_dir / WEIGHTS_FILE))
+        self.store.record_checkpoint(
+            self.run_id,
+            record.round,
+            head_version=heads.config.version,
+            path=str(ckpt_dir),
+            size_bytes=size,
+            sha256=file_sha256(ckpt_dir / WEIGHTS_FILE),
+        )
         (self.run_dir / "rounds" / f"round-{record.round}.json").write_text(json.dumps(record.to_json(), indent=2))
         self.store.record_round(self.run_id, record)
         self.store.write_summary(self.run_id, self.run_dir / "summary.json")
-        log.info("round %d: %s", record.round, json.dumps(finite_or_none({
-            "tau": record.tau, "acc": list(record.head_accuracy), "train_loss": record.train_loss,
-            "participation": record.to_json()["participation"], "eps_max": record.epsilon_max,
-            "seconds": round(record.wall_seconds, 1)})))
+        log.info(
+            "round %d: %s",
+            record.round,
+            json.dumps(
+                finite_or_none(
+                    {
+                        "tau": record.tau,
+                        "acc": list(record.head_accuracy),
+                        "train_loss": record.train_loss,
+                        "participation": record.to_json()["participation"],
+                        "eps_max": record.epsilon_max,
+                        "seconds": round(record.wall_seconds, 1),
+                    }
+                )
+            ),
+        )
 
     def finish(self, status: str) -> None:
         """The run's final status and summary; a finished run also gets its plot."""

@@ -42,8 +42,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         target = summary["run"]["config"].get("dp-target-epsilon") if summary.get("run") else None
         if target:
             ax_eps.axhline(target, color="red", lw=0.8, label=f"target {target:g}")
-        ax_eps.set(title=f"client epsilon (delta={rounds[-1]['privacy']['delta']:g})" if rounds else "epsilon",
-                   xlabel="round")
+        ax_eps.set(
+            title=f"client epsilon (delta={rounds[-1]['privacy']['delta']:g})" if rounds else "epsilon", xlabel="round"
+        )
         ax_eps.legend(loc="best", fontsize=8)
     else:
         ax_eps.text(0.5, 0.5, "no DP: epsilon unbounded", ha="center", va="center", transform=ax_eps.transAxes)

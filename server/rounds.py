@@ -68,8 +68,14 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
     config = ctx.config
     started = time.perf_counter()
     exchange = ExchangeLog()
-    guarded = GuardedGrid(ctx.grid, config, exchange, expected_shapes(heads), heads.num_heads,
-                          default_timeout=config.round_timeout or None)
+    guarded = GuardedGrid(
+        ctx.grid,
+        config,
+        exchange,
+        expected_shapes(heads),
+        heads.num_heads,
+        default_timeout=config.round_timeout or None,
+    )
     _fit(ctx, guarded, heads, server_round)
     fit_seconds = time.perf_counter() - started
 
@@ -77,39 +83,72 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
     server_metrics = ctx.server_eval.run(heads, ctx.base, config, heads_only=server_round == config.num_server_rounds)
     server_eval_seconds = time.perf_counter() - eval_started
     eval_started = time.perf_counter()
-    client_eval = client_evaluation(guarded, heads, config, server_round, sorted(ctx.grid.get_node_ids()), ctx.eval_rng,
-                                    final=server_round == config.num_server_rounds)
+    client_eval = client_evaluation(
+        guarded,
+        heads,
+        config,
+        server_round,
+        sorted(ctx.grid.get_node_ids()),
+        ctx.eval_rng,
+        final=server_round == config.num_server_rounds,
+    )
     client_eval_seconds = time.perf_counter() - eval_started
-    return _round_record(config, server_round, exchange, server_metrics, client_eval, ctx.client_eps, heads,
-                         fit_seconds, server_eval_seconds, client_eval_seconds, time.perf_counter() - started)
+    return _round_record(
+        config,
+        server_round,
+        exchange,
+        server_metrics,
+        client_eval,
+        ctx.client_eps,
+        heads,
+        fit_seconds,
+        server_eval_seconds,
+        client_eval_seconds,
+        time.perf_counter() - started,
+    )
 
 
 def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_round: int) -> None:
     """One train exchange through Flower's workflow; on a good aggregate the server optimiser moves `heads`."""
     config = ctx.config
     exchange = guarded.exchange
-    strategy: Strategy = HeadsStrategy(config, exchange, guarded.shapes,
-                                       {**heads_config_dict(heads), RUN_KEY: ctx.run_id}, ctx.sample_rng)
+    strategy: Strategy = HeadsStrategy(
+        config, exchange, guarded.shapes, {**heads_config_dict(heads), RUN_KEY: ctx.run_id}, ctx.sample_rng
+    )
     if ctx.user_dp is not None:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
         from server.user_dp import wrap_strategy
+
         strategy = wrap_strategy(strategy, ctx.user_dp)
-    legacy = LegacyContext(context=ctx.context, config=ServerConfig(num_rounds=config.num_server_rounds),
-                           strategy=strategy, client_manager=ctx.client_manager)
+    legacy = LegacyContext(
+        context=ctx.context,
+        config=ServerConfig(num_rounds=config.num_server_rounds),
+        strategy=strategy,
+        client_manager=ctx.client_manager,
+    )
     current = heads_to_ndarrays(heads)
     legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
-        ndarrays_to_parameters(current), keep_input=True)
+        ndarrays_to_parameters(current), keep_input=True
+    )
     legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
-        {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()})
-    log.info("[ROUND %d/%d] %s", server_round, config.num_server_rounds,
-             "SecAgg+ FedAvg" if config.secagg else "plain FedAvg")
+        {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()}
+    )
+    log.info(
+        "[ROUND %d/%d] %s",
+        server_round,
+        config.num_server_rounds,
+        "SecAgg+ FedAvg" if config.secagg else "plain FedAvg",
+    )
     (ctx.workflow or default_fit_workflow)(guarded, legacy)
     if exchange.aggregated:
         new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         load_ndarrays(heads, ctx.optimizer.step(current, parameters_to_ndarrays(new)))  # issue 12
         heads.config.version = server_round
     elif not exchange.aggregate_note:
-        exchange.aggregate_note = ("SecAgg+ aborted: too few clients answered for the reconstruction "
-                                   "threshold" if config.secagg else "no aggregate")
+        exchange.aggregate_note = (
+            "SecAgg+ aborted: too few clients answered for the reconstruction threshold"
+            if config.secagg
+            else "no aggregate"
+        )
     if not exchange.aggregated:
         log.warning("round %d: global heads unchanged (%s)", server_round, exchange.aggregate_note)
 
@@ -124,8 +163,14 @@ class HeadsStrategy(Strategy):
     serves one round: it writes that round's `exchange`; `rng` (dropout simulation) is the run's.
     """
 
-    def __init__(self, config: FedConfig, exchange: ExchangeLog, shapes: list[tuple[str, tuple[int, ...]]],
-                 fit_config: dict[str, Any], rng: random.Random) -> None:
+    def __init__(
+        self,
+        config: FedConfig,
+        exchange: ExchangeLog,
+        shapes: list[tuple[str, tuple[int, ...]]],
+        fit_config: dict[str, Any],
+        rng: random.Random,
+    ) -> None:
         self.config = config
         self.exchange = exchange
         self.shapes = shapes
@@ -135,16 +180,19 @@ class HeadsStrategy(Strategy):
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return None
 
-    def configure_fit(self, server_round: int, parameters: Parameters,
-                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
         available = client_manager.num_available()
         deadline = time.monotonic() + self.config.node_wait_seconds
         while available < self.config.min_train_clients and time.monotonic() < deadline:
             time.sleep(1.0)  # nodes left since round 1: give them node-wait-seconds to come back
             available = client_manager.num_available()
         if available < self.config.min_train_clients:
-            raise FedLookaheadError(f"round {server_round}: only {available} node(s) connected, fewer than "
-                                    f"min-train-clients ({self.config.min_train_clients})")
+            raise FedLookaheadError(
+                f"round {server_round}: only {available} node(s) connected, fewer than "
+                f"min-train-clients ({self.config.min_train_clients})"
+            )
         wanted = min(self.config.clients_this_round(available), available)
         # min_num_clients = what is there: Flower's sample() would otherwise block for up to a day
         clients = client_manager.sample(num_clients=wanted, min_num_clients=wanted)
@@ -163,8 +211,9 @@ class HeadsStrategy(Strategy):
             instructions.append((client, FitIns(parameters, config)))
         return instructions
 
-    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                      failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
+    def aggregate_fit(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
+    ) -> tuple[Parameters | None, dict[str, Any]]:
         log_ = self.exchange
         cap = weight_cap(self.config)
         weighted: list[tuple[FitRes, int]] = []
@@ -176,8 +225,13 @@ class HeadsStrategy(Strategy):
             weight = min(reply.num_examples, cap)
             if weight < reply.num_examples:
                 log_.capped[proxy.node_id] = reply.num_examples
-                log.warning("round %s: node %s claims weight %d, capped at %d", server_round,
-                            proxy.node_id, reply.num_examples, cap)
+                log.warning(
+                    "round %s: node %s claims weight %d, capped at %d",
+                    server_round,
+                    proxy.node_id,
+                    reply.num_examples,
+                    cap,
+                )
             log_.client_metrics[proxy.node_id] = reply
             log_.weights[proxy.node_id] = weight
             weighted.append((res, weight))
@@ -186,15 +240,17 @@ class HeadsStrategy(Strategy):
             log_.aggregate_note = "no client result to aggregate"
             return None, {}
         if total <= 0:  # weight 0 only with skipped=1 (the protocol rejects anything else)
-            log_.aggregate_note = (f"all {len(weighted)} client(s) skipped training (privacy budget): "
-                                   "heads unchanged")
+            log_.aggregate_note = f"all {len(weighted)} client(s) skipped training (privacy budget): heads unchanged"
             return None, {}
         if self.config.secagg:
             arrays = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
         else:
             arrays = _weighted_mean(weighted, total)
-        reason = validate_update([np.asarray(a, dtype=np.float32) for a in arrays], self.shapes,
-                                 self.config.secagg_clipping_range * (1 + 1e-6))
+        reason = validate_update(
+            [np.asarray(a, dtype=np.float32) for a in arrays],
+            self.shapes,
+            self.config.secagg_clipping_range * (1 + 1e-6),
+        )
         if reason:
             log.error("round %s: aggregate rejected, heads unchanged: %s", server_round, reason)
             log_.aggregate_note = f"aggregate rejected: {reason}"
@@ -202,12 +258,12 @@ class HeadsStrategy(Strategy):
         log_.aggregated = True
         return ndarrays_to_parameters([np.asarray(a, dtype=np.float32) for a in arrays]), {}
 
-    def configure_evaluate(self, server_round: int, parameters: Parameters,
-                           client_manager: ClientManager) -> list[Any]:
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> list[Any]:
         return []  # client evaluation is sent by the loop (native messages), not by a legacy workflow
 
-    def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
-                           failures: list[Any]) -> tuple[float | None, dict[str, Any]]:
+    def aggregate_evaluate(
+        self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]], failures: list[Any]
+    ) -> tuple[float | None, dict[str, Any]]:
         return None, {}
 
     def evaluate(self, server_round: int, parameters: Parameters) -> None:
@@ -226,9 +282,19 @@ def _weighted_mean(weighted: list[tuple[FitRes, int]], total: int) -> list[np.nd
     return out
 
 
-def _round_record(config: FedConfig, server_round: int, exchange: ExchangeLog, server_metrics: dict,
-                  client_eval: dict, client_eps: dict[int, float], heads: DraftHeads, fit_seconds: float,
-                  server_eval_seconds: float, client_eval_seconds: float, wall_seconds: float) -> RoundRecord:
+def _round_record(
+    config: FedConfig,
+    server_round: int,
+    exchange: ExchangeLog,
+    server_metrics: dict,
+    client_eval: dict,
+    client_eps: dict[int, float],
+    heads: DraftHeads,
+    fit_seconds: float,
+    server_eval_seconds: float,
+    client_eval_seconds: float,
+    wall_seconds: float,
+) -> RoundRecord:
     replies = exchange.client_metrics  # node -> TrainReply, checked by the guard
     trained = {n: r for n, r in replies.items() if r.trained}
     skipped = {n: r.skip_reason for n, r in replies.items() if r.skipped}
@@ -239,8 +305,11 @@ def _round_record(config: FedConfig, server_round: int, exchange: ExchangeLog, s
     total = sum(chunks.values())
     if trained and total > 0:
         train_loss = sum(r.loss * chunks[n] for n, r in trained.items()) / total
-        train_acc = [sum((r.head_accuracy[k] if k < len(r.head_accuracy) else 0.0) * chunks[n]
-                         for n, r in trained.items()) / total for k in range(heads.num_heads)]
+        train_acc = [
+            sum((r.head_accuracy[k] if k < len(r.head_accuracy) else 0.0) * chunks[n] for n, r in trained.items())
+            / total
+            for k in range(heads.num_heads)
+        ]
         loss_source = "clients"
     else:
         train_loss, train_acc, loss_source = server_metrics["loss"], None, "server-eval (no client trained)"
@@ -272,21 +341,30 @@ def _round_record(config: FedConfig, server_round: int, exchange: ExchangeLog, s
         train_head_accuracy=train_acc,
         server_eval_loss=server_metrics["loss"],
         tau_heads_only=server_metrics.get("tau_heads_only"),
-        sampled=sampled, succeeded=succeeded, dropped=dropped,
+        sampled=sampled,
+        succeeded=succeeded,
+        dropped=dropped,
         rejected=tuple(exchange.rejected),
         failures={str(n): r for n, r in exchange.failures.items() if n not in rejected_nodes},
-        induced_failures=tuple(exchange.induced_failures), skipped_budget={str(n): r for n, r in skipped.items()},
+        induced_failures=tuple(exchange.induced_failures),
+        skipped_budget={str(n): r for n, r in skipped.items()},
         weights={str(n): w for n, w in exchange.weights.items()},
         capped_weights={str(n): w for n, w in exchange.capped.items()},
         client_eval=client_eval,
-        epsilon_max=eps_max, epsilon_mean=eps_mean, delta=config.dp_delta if config.dp else 0.0,
+        epsilon_max=eps_max,
+        epsilon_mean=eps_mean,
+        delta=config.dp_delta if config.dp else 0.0,
         target_epsilon=config.dp_target_epsilon if config.dp else None,
         epsilon_this_round={str(n): r.epsilon for n, r in replies.items() if r.epsilon is not None},
         noise_multiplier=tuple(sorted({r.noise_multiplier for r in replies.values()})),
         q=tuple(sorted({r.q for r in replies.values()})),
         no_amplification_clients=sum(int(r.no_amplification) for r in replies.values()),
-        bytes_down_per_client=bytes_down, bytes_up_per_client=bytes_up,
+        bytes_down_per_client=bytes_down,
+        bytes_up_per_client=bytes_up,
         eval_push_bytes_per_client=client_eval.get("push_bytes_per_client", 0),
-        wall_seconds=wall_seconds, fit_seconds=fit_seconds, server_eval_seconds=server_eval_seconds,
-        client_eval_seconds=client_eval_seconds, client_train_seconds=sum(r.train_seconds for r in replies.values()),
+        wall_seconds=wall_seconds,
+        fit_seconds=fit_seconds,
+        server_eval_seconds=server_eval_seconds,
+        client_eval_seconds=client_eval_seconds,
+        client_train_seconds=sum(r.train_seconds for r in replies.values()),
     )

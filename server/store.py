@@ -85,10 +85,12 @@ class Run(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     finished_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
 
-    rounds: Mapped[list["Round"]] = relationship(back_populates="run", cascade="all, delete-orphan",
-                                                 passive_deletes=True, order_by="Round.round")
-    checkpoints: Mapped[list["Checkpoint"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
-                                                           order_by="Checkpoint.round")
+    rounds: Mapped[list["Round"]] = relationship(
+        back_populates="run", cascade="all, delete-orphan", passive_deletes=True, order_by="Round.round"
+    )
+    checkpoints: Mapped[list["Checkpoint"]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True, order_by="Checkpoint.round"
+    )
 
 
 class Round(Base):
@@ -112,12 +114,15 @@ class Round(Base):
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
     run: Mapped[Run] = relationship(back_populates="rounds")
-    participation: Mapped[Optional["Participation"]] = relationship(cascade="all, delete-orphan",
-                                                                    passive_deletes=True, uselist=False)
-    rejected: Mapped[list["RejectedReply"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
-                                                           order_by="RejectedReply.id")
-    privacy: Mapped[Optional["Privacy"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
-                                                        uselist=False)
+    participation: Mapped[Optional["Participation"]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True, uselist=False
+    )
+    rejected: Mapped[list["RejectedReply"]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True, order_by="RejectedReply.id"
+    )
+    privacy: Mapped[Optional["Privacy"]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True, uselist=False
+    )
 
 
 class Participation(Base):
@@ -197,8 +202,10 @@ def _ensure_schema(engine: Engine) -> None:
                 tables = set(inspect(conn).get_table_names())
                 if "schema_version" not in tables:
                     if tables & STORE_TABLES:
-                        raise ValueError(f"database {engine.url!r} has run-store tables but no schema_version "
-                                         "table; refusing to guess its version")
+                        raise ValueError(
+                            f"database {engine.url!r} has run-store tables but no schema_version "
+                            "table; refusing to guess its version"
+                        )
                     Base.metadata.create_all(conn)
                     conn.execute(SchemaVersion.__table__.insert().values(id=1, version=SCHEMA_VERSION))
                     return
@@ -212,8 +219,10 @@ def _ensure_schema(engine: Engine) -> None:
             if version is None:
                 raise ValueError(f"database {engine.url!r} has an empty schema_version table")
             if version > SCHEMA_VERSION:
-                raise ValueError(f"database schema version {version} is newer than this code's "
-                                 f"({SCHEMA_VERSION}); upgrade fedlookahead")
+                raise ValueError(
+                    f"database schema version {version} is newer than this code's "
+                    f"({SCHEMA_VERSION}); upgrade fedlookahead"
+                )
             if version == SCHEMA_VERSION:
                 return
             MIGRATIONS[version + 1](conn)
@@ -285,8 +294,14 @@ def _round_dict(row: Round) -> dict:
 
 
 def _checkpoint_dict(row: Checkpoint) -> dict:
-    return {"round": row.round, "head_version": row.head_version, "path": row.path, "size_bytes": row.size_bytes,
-            "sha256": row.sha256, "created_at": _iso(row.created_at)}
+    return {
+        "round": row.round,
+        "head_version": row.head_version,
+        "path": row.path,
+        "size_bytes": row.size_bytes,
+        "sha256": row.sha256,
+        "created_at": _iso(row.created_at),
+    }
 
 
 # ------------------------------------------------------------------------------------------- store
@@ -338,7 +353,7 @@ def _sqlite_file(parsed: URL) -> Path | None:
     if database in ("", ":memory:") or database.startswith("file::memory:") or parsed.query.get("mode") == "memory":
         return None
     if database.startswith("file:"):
-        database = database[len("file:"):]
+        database = database[len("file:") :]
     return Path(database).expanduser()
 
 
@@ -377,7 +392,9 @@ class RunStore:
                     try:
                         self._pin = os.open(self.sqlite_path, os.O_RDONLY)
                     except OSError as exc:
-                        raise StoreUnavailable(f"cannot read the run store {self.sqlite_path}: {exc.strerror}") from None
+                        raise StoreUnavailable(
+                            f"cannot read the run store {self.sqlite_path}: {exc.strerror}"
+                        ) from None
                     query = {"mode": "ro", "uri": "true"}
                     if not self.sqlite_path.stat().st_mode & 0o222:
                         # Write-protected: an archive nobody (but root) can change. `immutable` reads it
@@ -408,8 +425,10 @@ class RunStore:
         try:
             info = path.stat()
         except FileNotFoundError:
-            raise StoreUnavailable(f"no run store at {path}: the file does not exist "
-                                   "(the dashboard never creates one; check --db or $FEDLA_DB)") from None
+            raise StoreUnavailable(
+                f"no run store at {path}: the file does not exist "
+                "(the dashboard never creates one; check --db or $FEDLA_DB)"
+            ) from None
         except OSError as exc:
             raise StoreUnavailable(f"cannot read the run store {path}: {exc.strerror}") from None
         if not path.is_file():
@@ -425,8 +444,10 @@ class RunStore:
                 raise StoreUnavailable(f"{self.url} is not a FedLookahead run store (no run-store tables)")
             version = conn.execute(select(SchemaVersion.version).where(SchemaVersion.id == 1)).scalar_one_or_none()
         if version != SCHEMA_VERSION:
-            raise StoreUnavailable(f"the run store {self.url} has schema version {version}, this code reads "
-                                   f"{SCHEMA_VERSION}: open it once with the server (which migrates it)")
+            raise StoreUnavailable(
+                f"the run store {self.url} has schema version {version}, this code reads "
+                f"{SCHEMA_VERSION}: open it once with the server (which migrates it)"
+            )
 
     def check_available(self) -> None:
         """Raise StoreUnavailable if a read-only store's file went away or was replaced since it opened.
@@ -443,8 +464,10 @@ class RunStore:
         pinned = os.fstat(self._pin)
         if current != (pinned.st_dev, pinned.st_ino):
             self.engine.dispose()
-            raise StoreUnavailable(f"the run store {self.sqlite_path} was replaced by another file since the "
-                                   "dashboard opened it: restart the dashboard")
+            raise StoreUnavailable(
+                f"the run store {self.sqlite_path} was replaced by another file since the "
+                "dashboard opened it: restart the dashboard"
+            )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -475,8 +498,17 @@ class RunStore:
                     now = _now()
                     run = session.get(Run, run_id)
                     if run is None:
-                        session.add(Run(run_id=run_id, status="running", config=config, secagg=secagg,
-                                        started_at=now, updated_at=now, finished_at=None))
+                        session.add(
+                            Run(
+                                run_id=run_id,
+                                status="running",
+                                config=config,
+                                secagg=secagg,
+                                started_at=now,
+                                updated_at=now,
+                                finished_at=None,
+                            )
+                        )
                     else:
                         run.status, run.config, run.secagg = "running", config, secagg
                         run.updated_at, run.finished_at = now, None
@@ -503,28 +535,33 @@ class RunStore:
                 row = Round(run_id=run_id, round=record.round)
                 session.add(row)
             row.train_loss, row.head_accuracy, row.tau = record.train_loss, list(record.head_accuracy), record.tau
-            row.client_head_accuracy = None if record.client_head_accuracy is None else list(record.client_head_accuracy)
+            row.client_head_accuracy = (
+                None if record.client_head_accuracy is None else list(record.client_head_accuracy)
+            )
             row.client_tau, row.tau_heads_only = record.client_tau, record.tau_heads_only
             row.traffic, row.seconds = record.bytes, finite_or_none(record.seconds)
             row.wall_seconds, row.bytes_per_client, row.recorded_at = record.wall_seconds, record.bytes_per_client, now
             if row.participation is None:
-                row.participation = Participation(sampled=record.sampled, succeeded=record.succeeded,
-                                                  dropped=record.dropped)
+                row.participation = Participation(
+                    sampled=record.sampled, succeeded=record.succeeded, dropped=record.dropped
+                )
             else:
                 row.participation.sampled, row.participation.succeeded = record.sampled, record.succeeded
                 row.participation.dropped = record.dropped
             row.rejected.clear()
             row.rejected.extend(RejectedReply(reason=item["reason"][:500]) for item in record.rejected)
             if row.privacy is None:
-                row.privacy = Privacy(epsilon_max=record.epsilon_max, epsilon_mean=record.epsilon_mean,
-                                      delta=record.delta)
+                row.privacy = Privacy(
+                    epsilon_max=record.epsilon_max, epsilon_mean=record.epsilon_mean, delta=record.delta
+                )
             else:
                 row.privacy.epsilon_max, row.privacy.epsilon_mean = record.epsilon_max, record.epsilon_mean
                 row.privacy.delta = record.delta
             run.updated_at = now
 
-    def record_checkpoint(self, run_id: str, round: int, *, head_version: int, path: str, size_bytes: int,
-                          sha256: str) -> None:
+    def record_checkpoint(
+        self, run_id: str, round: int, *, head_version: int, path: str, size_bytes: int, sha256: str
+    ) -> None:
         """Insert or replace the checkpoint saved after ``round`` (keyed by run and round)."""
         run_id = _run_id(run_id)
         round = integer(round, "round")
@@ -599,20 +636,23 @@ class RunStore:
             runs = session.scalars(select(Run).order_by(Run.started_at.desc(), Run.run_id)).all()
             out = []
             for run in runs:
-                last = session.scalar(select(Round).where(Round.run_id == run.run_id)
-                                      .order_by(Round.round.desc()).limit(1))
-                out.append({
-                    "run_id": run.run_id,
-                    "status": run.status,
-                    "started_at": _iso(run.started_at),
-                    "updated_at": _iso(run.updated_at),
-                    "finished_at": _iso(run.finished_at),
-                    "num_rounds": counts.get(run.run_id, 0),
-                    "last_round": last.round if last else None,
-                    "last_train_loss": last.train_loss if last else None,
-                    "last_tau": last.tau if last else None,
-                    "last_epsilon_max": finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
-                })
+                last = session.scalar(
+                    select(Round).where(Round.run_id == run.run_id).order_by(Round.round.desc()).limit(1)
+                )
+                out.append(
+                    {
+                        "run_id": run.run_id,
+                        "status": run.status,
+                        "started_at": _iso(run.started_at),
+                        "updated_at": _iso(run.updated_at),
+                        "finished_at": _iso(run.finished_at),
+                        "num_rounds": counts.get(run.run_id, 0),
+                        "last_round": last.round if last else None,
+                        "last_train_loss": last.train_loss if last else None,
+                        "last_tau": last.tau if last else None,
+                        "last_epsilon_max": finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
+                    }
+                )
             return out
 
     def get_run(self, run_id: str) -> dict | None:
@@ -650,12 +690,17 @@ class RunStore:
 
     def _checkpoints(self, run_id: str) -> list[dict]:
         with self._session() as session:
-            rows = session.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id)
-                                   .order_by(Checkpoint.round)).all()
+            rows = session.scalars(
+                select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.round)
+            ).all()
             return [_checkpoint_dict(row) for row in rows]
 
     @staticmethod
     def _latest_checkpoint(session, run_id: str) -> dict | None:
-        row = session.scalar(select(Checkpoint).where(Checkpoint.run_id == run_id)
-                             .order_by(Checkpoint.round.desc(), Checkpoint.head_version.desc()).limit(1))
+        row = session.scalar(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == run_id)
+            .order_by(Checkpoint.round.desc(), Checkpoint.head_version.desc())
+            .limit(1)
+        )
         return _checkpoint_dict(row) if row else None

@@ -63,10 +63,23 @@ class TlsFiles:
 class SuperLink:
     """`with SuperLink.for_simulation() as link: link.submit(app, run_config, federation_config)`."""
 
-    def __init__(self, flwr_home: Path, log_file: Path, *, database: str, tls: TlsFiles | None = None,
-                 node_auth: bool = False, simulation: bool = False, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 control_port: int | None = None, connection: str = CONNECTION, remove_home: bool = False,
-                 cwd: Path | None = None, emit: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        flwr_home: Path,
+        log_file: Path,
+        *,
+        database: str,
+        tls: TlsFiles | None = None,
+        node_auth: bool = False,
+        simulation: bool = False,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        control_port: int | None = None,
+        connection: str = CONNECTION,
+        remove_home: bool = False,
+        cwd: Path | None = None,
+        emit: Callable[[str], None] | None = None,
+    ) -> None:
         if node_auth and tls is None:
             raise FedLookaheadError("SuperNode authentication requires TLS certificates")
         self.flwr_home, self.log_file, self.database = Path(flwr_home), Path(log_file), database
@@ -80,22 +93,46 @@ class SuperLink:
         self._watch_stop = threading.Event()
 
     @classmethod
-    def for_deployment(cls, tls: TlsFiles | None, state_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                       node_auth: bool = True, emit: Callable[[str], None] | None = None) -> SuperLink:
+    def for_deployment(
+        cls,
+        tls: TlsFiles | None,
+        state_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        node_auth: bool = True,
+        emit: Callable[[str], None] | None = None,
+    ) -> SuperLink:
         """State (database, FLWR_HOME, log) under `state_dir`, kept across restarts."""
         state_dir = Path(state_dir).expanduser().resolve()
-        return cls(state_dir / "flwr-home", state_dir / "superlink.log", database=str(state_dir / "superlink.db"),
-                   tls=tls, node_auth=node_auth, host=host, port=port, emit=emit)
+        return cls(
+            state_dir / "flwr-home",
+            state_dir / "superlink.log",
+            database=str(state_dir / "superlink.db"),
+            tls=tls,
+            node_auth=node_auth,
+            host=host,
+            port=port,
+            emit=emit,
+        )
 
     @classmethod
-    def for_simulation(cls, flwr_home: Path | None = None, log_dir: Path | None = None,
-                       cwd: Path | None = None) -> SuperLink:
+    def for_simulation(
+        cls, flwr_home: Path | None = None, log_dir: Path | None = None, cwd: Path | None = None
+    ) -> SuperLink:
         """A private simulation SuperLink on free ports; a temporary FLWR_HOME unless one is given."""
         home = Path(flwr_home or tempfile.mkdtemp(prefix="fedla-flwr-home-"))
         # its own Control API port too: Flower's default (9093) would collide between concurrent runs
-        return cls(home, (log_dir or home) / "superlink.log", database=":flwr-in-memory:", simulation=True,
-                   port=free_port(), control_port=free_port(), connection="local", remove_home=flwr_home is None,
-                   cwd=cwd)
+        return cls(
+            home,
+            (log_dir or home) / "superlink.log",
+            database=":flwr-in-memory:",
+            simulation=True,
+            port=free_port(),
+            control_port=free_port(),
+            connection="local",
+            remove_home=flwr_home is None,
+            cwd=cwd,
+        )
 
     # -- addresses and files
     @property
@@ -111,8 +148,13 @@ class SuperLink:
     def write_connection(self) -> Path:
         """`$FLWR_HOME/config.toml` with this SuperLink as the default connection of the `flwr` CLI."""
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        lines = ["[superlink]", f'default = "{self.connection}"', "", f"[superlink.{self.connection}]",
-                 f'address = "{self.local_address}"']
+        lines = [
+            "[superlink]",
+            f'default = "{self.connection}"',
+            "",
+            f"[superlink.{self.connection}]",
+            f'address = "{self.local_address}"',
+        ]
         if self.tls is not None:
             lines.append(f"root-certificates = {json.dumps(str(self.tls.ca.resolve()))}")
         else:
@@ -122,15 +164,31 @@ class SuperLink:
         return path
 
     def command(self) -> list[str]:
-        cmd = [flower_bin("flower-superlink"), "--isolation", "subprocess", "--disable-runtime-dependency-installation",
-               "--host", self.host, "--port", str(self.port), "--database", self.database]
+        cmd = [
+            flower_bin("flower-superlink"),
+            "--isolation",
+            "subprocess",
+            "--disable-runtime-dependency-installation",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--database",
+            self.database,
+        ]
         if self.simulation:
             cmd.append("--simulation")
         if self.control_port is not None:
             cmd += ["--control-api-address", f"127.0.0.1:{self.control_port}"]
         if self.tls is not None:
-            cmd += ["--ssl-certfile", str(self.tls.cert.resolve()), "--ssl-keyfile", str(self.tls.key.resolve()),
-                    "--ssl-ca-certfile", str(self.tls.ca.resolve())]
+            cmd += [
+                "--ssl-certfile",
+                str(self.tls.cert.resolve()),
+                "--ssl-keyfile",
+                str(self.tls.key.resolve()),
+                "--ssl-ca-certfile",
+                str(self.tls.ca.resolve()),
+            ]
         else:
             cmd.append("--insecure")
         if self.node_auth:
@@ -146,9 +204,15 @@ class SuperLink:
         self.write_connection()
         out = open(self.log_file, "a", encoding="utf-8")  # noqa: SIM115 - the child keeps it; closed below
         try:
-            process = subprocess.Popen(self.command(), env=self.env, cwd=self.cwd or Path.cwd(), stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=set_parent_death_signal)
+            process = subprocess.Popen(
+                self.command(),
+                env=self.env,
+                cwd=self.cwd or Path.cwd(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=set_parent_death_signal,
+            )
         finally:
             out.close()
         self.tree = ProcessTree(process)
@@ -169,8 +233,9 @@ class SuperLink:
                 pass
             time.sleep(0.3)
         self.close()
-        raise FedLookaheadError(f"flower-superlink did not answer on {self.local_address} within {timeout:.0f}s; "
-                                f"see {self.log_file}")
+        raise FedLookaheadError(
+            f"flower-superlink did not answer on {self.local_address} within {timeout:.0f}s; see {self.log_file}"
+        )
 
     def _watch(self) -> None:
         """Note every descendant while the SuperLink runs (ServerApp processes and Ray can outlive their parent)."""
@@ -209,15 +274,17 @@ class SuperLink:
 
     # -- the flwr CLI against this SuperLink
     def flwr(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([flower_bin("flwr"), *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, **kwargs)
+        return subprocess.run(
+            [flower_bin("flwr"), *args], env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs
+        )
 
     def register(self, public_key: Path) -> str:
         """Register one SuperNode public key (OpenSSH ECDSA); returns a one-line outcome."""
-        done = self.flwr("supernode", "register", str(Path(public_key).expanduser().resolve()), self.connection,
-                         "--format", "json")
+        done = self.flwr(
+            "supernode", "register", str(Path(public_key).expanduser().resolve()), self.connection, "--format", "json"
+        )
         try:
-            answer = json.loads(done.stdout[done.stdout.index("{"):])
+            answer = json.loads(done.stdout[done.stdout.index("{") :])
         except ValueError:
             answer = {"success": False, "error-message": strip_ansi(done.stdout + done.stderr).strip()}
         if answer.get("success"):
@@ -225,17 +292,26 @@ class SuperLink:
         message = str(answer.get("error-message", ""))
         if "already in use" in message:
             return f"{public_key} is already registered"
-        raise FedLookaheadError(f"could not register {public_key}: {message.strip().splitlines()[-1] if message else done.returncode}")
+        raise FedLookaheadError(
+            f"could not register {public_key}: {message.strip().splitlines()[-1] if message else done.returncode}"
+        )
 
     def nodes(self) -> list[dict]:
         done = self.flwr("supernode", "list", self.connection, "--format", "json")
         try:
-            return list(json.loads(done.stdout[done.stdout.index("{"):]).get("nodes", []))
+            return list(json.loads(done.stdout[done.stdout.index("{") :]).get("nodes", []))
         except ValueError:
             return []
 
-    def submit(self, app_dir: Path, run_config: dict, federation_config: dict | None = None,
-               log_path: Path | None = None, timeout: float | None = None, echo: bool = True) -> tuple[int, list[str]]:
+    def submit(
+        self,
+        app_dir: Path,
+        run_config: dict,
+        federation_config: dict | None = None,
+        log_path: Path | None = None,
+        timeout: float | None = None,
+        echo: bool = True,
+    ) -> tuple[int, list[str]]:
         """`flwr run APP <connection> --run-config ... --stream` until the run ends; returns (exit code, output
         lines). Past `timeout` seconds `flwr run` is killed (a negative exit code)."""
         cmd = [flower_bin("flwr"), "run", str(app_dir), self.connection, "--stream"]
@@ -245,8 +321,16 @@ class SuperLink:
             cmd += ["--federation-config", config_args(federation_config)]
         lines: list[str] = []
         out = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
-        process = subprocess.Popen(cmd, env=self.env, cwd=app_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, bufsize=1, preexec_fn=set_parent_death_signal)
+        process = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=app_dir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            preexec_fn=set_parent_death_signal,
+        )
         killer = threading.Timer(timeout, process.kill) if timeout else None
         if killer:
             killer.start()

@@ -42,9 +42,15 @@ def user_noise_multiplier(config: FedConfig, sampled: int, nodes: int) -> float:
         return config.dp_noise_multiplier
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(get_noise_multiplier(target_epsilon=config.dp_target_epsilon, target_delta=config.dp_delta,
-                                          sample_rate=min(1.0, sampled / nodes), steps=config.num_server_rounds,
-                                          accountant="rdp"))
+        return float(
+            get_noise_multiplier(
+                target_epsilon=config.dp_target_epsilon,
+                target_delta=config.dp_delta,
+                sample_rate=min(1.0, sampled / nodes),
+                steps=config.num_server_rounds,
+                accountant="rdp",
+            )
+        )
 
 
 def user_epsilon(noise_multiplier: float, sampled: int, nodes: int, rounds: int, delta: float) -> float:
@@ -64,14 +70,21 @@ def noise_std(noise_multiplier: float, clip: float, sampled: int) -> float:
 def plan_user_dp(config: FedConfig, sampled: int, nodes: int) -> dict:
     """The server's noise for this run and the guarantee it buys (written to run.json's plan)."""
     sigma = user_noise_multiplier(config, sampled, nodes)
-    return {"level": "user", "noise_multiplier": sigma, "clip": config.dp_user_clip, "clients_per_round": sampled,
-            "noise_std": noise_std(sigma, config.dp_user_clip, sampled),
-            "epsilon": user_epsilon(sigma, sampled, nodes, config.num_server_rounds, config.dp_delta),
-            "delta": config.dp_delta, "noise_added_by": "server (after SecAgg+ unmasking)"}
+    return {
+        "level": "user",
+        "noise_multiplier": sigma,
+        "clip": config.dp_user_clip,
+        "clients_per_round": sampled,
+        "noise_std": noise_std(sigma, config.dp_user_clip, sampled),
+        "epsilon": user_epsilon(sigma, sampled, nodes, config.num_server_rounds, config.dp_delta),
+        "delta": config.dp_delta,
+        "noise_added_by": "server (after SecAgg+ unmasking)",
+    }
 
 
 def wrap_strategy(strategy: Strategy, plan: dict) -> Strategy:
     """Flower's client-side fixed clipping wrapper around `strategy`: it sends the clipping norm to
     the clients (their `fixedclipping_mod` reads it) and noises the aggregate."""
-    return DifferentialPrivacyClientSideFixedClipping(strategy, plan["noise_multiplier"], plan["clip"],
-                                                      plan["clients_per_round"])
+    return DifferentialPrivacyClientSideFixedClipping(
+        strategy, plan["noise_multiplier"], plan["clip"], plan["clients_per_round"]
+    )

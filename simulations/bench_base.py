@@ -31,9 +31,14 @@ def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int
     for prompt in prompts:
         ids = prompt.view(1, -1)
         started = time.perf_counter()
-        out = base.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  pad_token_id=base.tokenizer.pad_token_id)
+        out = base.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=base.tokenizer.pad_token_id,
+        )
         seconds += time.perf_counter() - started
         tokens += out.shape[1] - ids.shape[1]
     return tokens / seconds
@@ -63,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown dtypes {sorted(unknown)}: use {', '.join(DTYPES)}")
     path = ensure_default_base()
     build = json.loads((path / "fedla_build.json").read_text())
-    result = {"base": str(path), "parameters": build["parameters"], "convert_seconds": build["convert_seconds"],
-              "dtypes": {}}
+    result = {
+        "base": str(path),
+        "parameters": build["parameters"],
+        "convert_seconds": build["convert_seconds"],
+        "dtypes": {},
+    }
     reference_greedy = None
     for name in dict.fromkeys(["fp32", *dtypes]):  # fp32 first: the reference for greedy agreement
         base = load_base(path, device="cpu", dtype=DTYPES[name])
@@ -74,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         loss, greedy = heldout_quality(base, chunks)
         reference_greedy = greedy if reference_greedy is None else reference_greedy
         generate_tokens_per_s(base, prompts[:1], 8)  # warm-up
-        row = {"heldout_loss": round(loss, 4),
-               "greedy_agreement_with_fp32": round(float((greedy == reference_greedy).float().mean()), 4),
-               "threads": {}}
+        row = {
+            "heldout_loss": round(loss, 4),
+            "greedy_agreement_with_fp32": round(float((greedy == reference_greedy).float().mean()), 4),
+            "threads": {},
+        }
         for threads in (1, 2):
             torch.set_num_threads(threads)
             curve = measure_cost_curve(base)
@@ -91,16 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     result["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    print(f"{build['parameters']:,} parameters; converted in {build['convert_seconds']:.0f}s; "
-          f"peak resident memory {result['max_rss_mib']} MiB (every dtype loaded in turn)")
+    print(
+        f"{build['parameters']:,} parameters; converted in {build['convert_seconds']:.0f}s; "
+        f"peak resident memory {result['max_rss_mib']} MiB (every dtype loaded in turn)"
+    )
     sizes = list(next(iter(result["dtypes"].values()))["threads"][1]["cost_relative"])
-    print(f"{'dtype':<6}{'held-out loss':>14}{'agree fp32':>11}{'threads':>8}{'generate tok/s':>15}{'1 token ms':>11}  "
-          + "".join(f"{'c(' + str(n) + ')':>8}" for n in sizes))
+    print(
+        f"{'dtype':<6}{'held-out loss':>14}{'agree fp32':>11}{'threads':>8}{'generate tok/s':>15}{'1 token ms':>11}  "
+        + "".join(f"{'c(' + str(n) + ')':>8}" for n in sizes)
+    )
     for name, row in result["dtypes"].items():
         for threads, cost in row["threads"].items():
-            print(f"{name:<6}{row['heldout_loss']:>14.4f}{row['greedy_agreement_with_fp32']:>11.4f}{threads:>8}"
-                  f"{cost['generate_tokens_per_s']:>15.1f}{cost['one_token_ms']:>11.1f}  "
-                  + "".join(f"{cost['cost_relative'][n]:>8.2f}" for n in sizes))
+            print(
+                f"{name:<6}{row['heldout_loss']:>14.4f}{row['greedy_agreement_with_fp32']:>11.4f}{threads:>8}"
+                f"{cost['generate_tokens_per_s']:>15.1f}{cost['one_token_ms']:>11.1f}  "
+                + "".join(f"{cost['cost_relative'][n]:>8.2f}" for n in sizes)
+            )
     return 0
 
 

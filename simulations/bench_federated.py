@@ -39,7 +39,7 @@ def local_training(config_overrides: dict, reps: int) -> dict:
     times: dict[str, list[float]] = {"dp": [], "plain": []}
     cpu_times: dict[str, list[float]] = {"dp": [], "plain": []}  # process CPU time: robust to other load
     for rep in range(reps):
-        for mode in (("plain", "dp") if rep % 2 == 0 else ("dp", "plain")):
+        for mode in ("plain", "dp") if rep % 2 == 0 else ("dp", "plain"):
             config = FedConfig.from_mapping(dict(config_overrides, dp=(mode == "dp")))
             base = cached_base(config)
             data = client_data(config, base, {"partition-id": 0, "num-partitions": 10})
@@ -53,11 +53,16 @@ def local_training(config_overrides: dict, reps: int) -> dict:
             times[mode].append(result.seconds)
             cpu_times[mode].append(time.process_time() - cpu)
     return {
-        "chunks": int(len(data.train)), "chunk_len": config.chunk_len, "batch_size": config.batch_size,
-        "q": q, "steps": steps,
-        "plain_seconds": times["plain"], "dp_seconds": times["dp"],  # the first (cold) pair is included
+        "chunks": int(len(data.train)),
+        "chunk_len": config.chunk_len,
+        "batch_size": config.batch_size,
+        "q": q,
+        "steps": steps,
+        "plain_seconds": times["plain"],
+        "dp_seconds": times["dp"],  # the first (cold) pair is included
         "ratio_dp_over_plain_median": statistics.median(times["dp"]) / statistics.median(times["plain"]),
-        "plain_cpu_seconds": cpu_times["plain"], "dp_cpu_seconds": cpu_times["dp"],
+        "plain_cpu_seconds": cpu_times["plain"],
+        "dp_cpu_seconds": cpu_times["dp"],
         "ratio_dp_over_plain_cpu_median": statistics.median(cpu_times["dp"]) / statistics.median(cpu_times["plain"]),
         # the least-disturbed repetition of each (other jobs on a shared machine only ever add time)
         "ratio_dp_over_plain_min": min(times["dp"]) / min(times["plain"]),
@@ -73,10 +78,21 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
     from simulations.inprocess import InProcessGrid
 
     with tempfile.TemporaryDirectory(prefix="fedla-bench-") as tmp:
-        run_config = dict(config_overrides, secagg=secagg, **{
-            "num-server-rounds": 1, "run-dir": tmp, "run-id": f"bench-{'secagg' if secagg else 'plain'}",
-            "min-train-clients": clients, "min-available-clients": clients, "fraction-evaluate": 0.0,
-            "eval-max-new-tokens": 0, "server-eval-chunks": 8, "node-wait-seconds": 0.0})
+        run_config = dict(
+            config_overrides,
+            secagg=secagg,
+            **{
+                "num-server-rounds": 1,
+                "run-dir": tmp,
+                "run-id": f"bench-{'secagg' if secagg else 'plain'}",
+                "min-train-clients": clients,
+                "min-available-clients": clients,
+                "fraction-evaluate": 0.0,
+                "eval-max-new-tokens": 0,
+                "server-eval-chunks": 8,
+                "node-wait-seconds": 0.0,
+            },
+        )
         grid = InProcessGrid(client_app, clients, run_config)
         context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
         cpu = time.process_time()
@@ -84,13 +100,19 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
         cpu = time.process_time() - cpu
         record = json.loads((run_dir / "rounds" / "round-1.json").read_text())
         run_info = json.loads((run_dir / "run.json").read_text())
-    return {"fit_seconds": record["seconds"]["fit"], "round_seconds": record["wall_seconds"], "cpu_seconds": cpu,
-            "client_train_seconds": record["seconds"]["client_train_sum"],
-            "overhead_seconds": record["seconds"]["fit"] - record["seconds"]["client_train_sum"],
-            "client_seconds_sum": sum(grid.client_seconds.values()),
-            "aggregated": record["aggregated"], "succeeded": record["participation"]["succeeded"],
-            "bytes": record["bytes"], "head_bytes": run_info["head_bytes"],
-            "head_parameters": run_info["head_parameters"]}
+    return {
+        "fit_seconds": record["seconds"]["fit"],
+        "round_seconds": record["wall_seconds"],
+        "cpu_seconds": cpu,
+        "client_train_seconds": record["seconds"]["client_train_sum"],
+        "overhead_seconds": record["seconds"]["fit"] - record["seconds"]["client_train_sum"],
+        "client_seconds_sum": sum(grid.client_seconds.values()),
+        "aggregated": record["aggregated"],
+        "succeeded": record["participation"]["succeeded"],
+        "bytes": record["bytes"],
+        "head_bytes": run_info["head_bytes"],
+        "head_parameters": run_info["head_parameters"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,12 +128,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from simulations.run import load_scenario
 
-    workload = {k: v for k, v in load_scenario(args.scenario)["run-config"].items()
-                if k in ("chunk-len", "max-chunks-per-client", "batch-size", "lr", "num-heads", "partitioning",
-                         "dp-target-epsilon", "dp-delta", "num-server-rounds", "local-epochs")}
+    workload = {
+        k: v
+        for k, v in load_scenario(args.scenario)["run-config"].items()
+        if k
+        in (
+            "chunk-len",
+            "max-chunks-per-client",
+            "batch-size",
+            "lr",
+            "num-heads",
+            "partitioning",
+            "dp-target-epsilon",
+            "dp-delta",
+            "num-server-rounds",
+            "local-epochs",
+        )
+    }
     started = time.perf_counter()
-    report: dict = {"scenario": args.scenario, "workload": workload, "clients": args.clients,
-                    "torch_threads": torch.get_num_threads()}
+    report: dict = {
+        "scenario": args.scenario,
+        "workload": workload,
+        "clients": args.clients,
+        "torch_threads": torch.get_num_threads(),
+    }
     report["local_training"] = local_training(workload, args.local_reps or args.reps)
     if args.local_only:
         print(json.dumps(report, indent=2))
@@ -122,27 +162,38 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides in (("workload", workload), ("light", light)):
         runs: dict[str, list[dict]] = {"plain": [], "secagg": []}
         for rep in range(args.reps):  # alternate the order so drifting machine load hits both alike
-            for mode in (("plain", "secagg") if rep % 2 == 0 else ("secagg", "plain")):
+            for mode in ("plain", "secagg") if rep % 2 == 0 else ("secagg", "plain"):
                 runs[mode].append(federated_round(overrides, args.clients, secagg=mode == "secagg"))
+
         def med(mode: str, key: str, runs: dict = runs) -> float:
             return statistics.median(r[key] for r in runs[mode])
 
         rounds[name] = {
-            mode: {"all": runs[mode], **{key: med(mode, key) for key in
-                                         ("fit_seconds", "cpu_seconds", "client_train_seconds", "overhead_seconds")},
-                   "bytes": runs[mode][-1]["bytes"], "head_bytes": runs[mode][-1]["head_bytes"],
-                   "head_parameters": runs[mode][-1]["head_parameters"]}
-            for mode in ("plain", "secagg")}
+            mode: {
+                "all": runs[mode],
+                **{
+                    key: med(mode, key)
+                    for key in ("fit_seconds", "cpu_seconds", "client_train_seconds", "overhead_seconds")
+                },
+                "bytes": runs[mode][-1]["bytes"],
+                "head_bytes": runs[mode][-1]["head_bytes"],
+                "head_parameters": runs[mode][-1]["head_parameters"],
+            }
+            for mode in ("plain", "secagg")
+        }
         rounds[name]["ratio_fit_secagg_over_plain"] = med("secagg", "fit_seconds") / med("plain", "fit_seconds")
         rounds[name]["ratio_cpu_secagg_over_plain"] = med("secagg", "cpu_seconds") / med("plain", "cpu_seconds")
         # same training work in both modes: the protocol's own cost is what differs
-        rounds[name]["overhead_seconds"] = {"plain": med("plain", "overhead_seconds"),
-                                            "secagg": med("secagg", "overhead_seconds")}
+        rounds[name]["overhead_seconds"] = {
+            "plain": med("plain", "overhead_seconds"),
+            "secagg": med("secagg", "overhead_seconds"),
+        }
         # local training differs run to run (Poisson batch sizes, machine load) by more than the protocol costs:
         # the ratio for the same training work is (T + overhead with SecAgg+) / (T + overhead without)
         train = statistics.median(r["client_train_seconds"] for r in runs["plain"] + runs["secagg"])
-        rounds[name]["ratio_equal_training"] = ((train + rounds[name]["overhead_seconds"]["secagg"])
-                                                / (train + rounds[name]["overhead_seconds"]["plain"]))
+        rounds[name]["ratio_equal_training"] = (train + rounds[name]["overhead_seconds"]["secagg"]) / (
+            train + rounds[name]["overhead_seconds"]["plain"]
+        )
     report["rounds"] = rounds
 
     from client.task import base_dir
@@ -153,10 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     base_params = sum(p.numel() for p in base.model.parameters())
     secure_bytes = rounds["workload"]["secagg"]["bytes"]  # measured by the guarded grid
     report["bytes_per_client_per_round"] = {
-        "heads_measured": {"down": secure_bytes["down_per_client"], "up_secagg": secure_bytes["up_per_client"],
-                           "total": secure_bytes["down_per_client"] + secure_bytes["up_per_client"]},
-        "full_base_computed": {"parameters": base_params, "down_float32": base_params * 4,
-                               "up_secagg_int64": base_params * 8 + 8, "total": base_params * 12 + 8},
+        "heads_measured": {
+            "down": secure_bytes["down_per_client"],
+            "up_secagg": secure_bytes["up_per_client"],
+            "total": secure_bytes["down_per_client"] + secure_bytes["up_per_client"],
+        },
+        "full_base_computed": {
+            "parameters": base_params,
+            "down_float32": base_params * 4,
+            "up_secagg_int64": base_params * 8 + 8,
+            "total": base_params * 12 + 8,
+        },
         "head_parameters": rounds["workload"]["secagg"]["head_parameters"],
     }
     heads_total = report["bytes_per_client_per_round"]["heads_measured"]["total"]
@@ -167,20 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2))
     lt, b = report["local_training"], report["bytes_per_client_per_round"]
     print("\nmeasurement (medians)                              wall s    CPU s")
-    print(f"local training, plain                            {statistics.median(lt['plain_seconds']):7.1f}  "
-          f"{statistics.median(lt['plain_cpu_seconds']):7.1f}")
-    print(f"local training, Opacus DP                        {statistics.median(lt['dp_seconds']):7.1f}  "
-          f"{statistics.median(lt['dp_cpu_seconds']):7.1f}")
-    print(f"  ratio DP / plain (goal <= 2.5)                 {lt['ratio_dp_over_plain_median']:7.2f}  "
-          f"{lt['ratio_dp_over_plain_cpu_median']:7.2f}   (fastest of each: {lt['ratio_dp_over_plain_min']:.2f})")
+    print(
+        f"local training, plain                            {statistics.median(lt['plain_seconds']):7.1f}  "
+        f"{statistics.median(lt['plain_cpu_seconds']):7.1f}"
+    )
+    print(
+        f"local training, Opacus DP                        {statistics.median(lt['dp_seconds']):7.1f}  "
+        f"{statistics.median(lt['dp_cpu_seconds']):7.1f}"
+    )
+    print(
+        f"  ratio DP / plain (goal <= 2.5)                 {lt['ratio_dp_over_plain_median']:7.2f}  "
+        f"{lt['ratio_dp_over_plain_cpu_median']:7.2f}   (fastest of each: {lt['ratio_dp_over_plain_min']:.2f})"
+    )
     for name in ("workload", "light"):
         r = rounds[name]
         for mode, label in (("plain", "plain FedAvg"), ("secagg", "SecAgg+")):
-            print(f"round ({name}, {args.clients} clients), {label:<13}      {r[mode]['fit_seconds']:7.1f}  "
-                  f"{r[mode]['cpu_seconds']:7.1f}   (not client training: {r[mode]['overhead_seconds']:.1f} s)")
-        print(f"  ratio SecAgg+ / plain{' (goal <= 1.5)' if name == 'workload' else ' (protocol cost)'}"
-              f"{'':<12}{r['ratio_fit_secagg_over_plain']:7.2f}  {r['ratio_cpu_secagg_over_plain']:7.2f}"
-              f"   (same training work: {r['ratio_equal_training']:.3f})")
+            print(
+                f"round ({name}, {args.clients} clients), {label:<13}      {r[mode]['fit_seconds']:7.1f}  "
+                f"{r[mode]['cpu_seconds']:7.1f}   (not client training: {r[mode]['overhead_seconds']:.1f} s)"
+            )
+        print(
+            f"  ratio SecAgg+ / plain{' (goal <= 1.5)' if name == 'workload' else ' (protocol cost)'}"
+            f"{'':<12}{r['ratio_fit_secagg_over_plain']:7.2f}  {r['ratio_cpu_secagg_over_plain']:7.2f}"
+            f"   (same training work: {r['ratio_equal_training']:.3f})"
+        )
     print(f"bytes/client/round, heads (down+up)           {b['heads_measured']['total']:,}")
     print(f"bytes/client/round, full base (down+up)       {b['full_base_computed']['total']:,}")
     print(f"  ratio full / heads                          {b['ratio_full_over_heads']:.1f}")

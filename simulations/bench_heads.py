@@ -52,8 +52,14 @@ def heads_only_tau(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tenso
     """AMS-LD tau with the heads as the only drafter (no n-gram source)."""
     tokens = forwards = 0
     for prompt in prompts:
-        result = generate(base, prompt, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False,
-                          policy=AmsPolicy(ngram=False))
+        result = generate(
+            base,
+            prompt,
+            heads=heads,
+            max_new_tokens=max_new_tokens,
+            degeneration_guard=False,
+            policy=AmsPolicy(ngram=False),
+        )
         tokens, forwards = tokens + len(result.tokens), forwards + result.base_forwards
     return tokens / max(1, forwards)
 
@@ -73,8 +79,9 @@ def uncached_rate(base: BaseModel, chunks: torch.Tensor, batches: int = 3, batch
 def dp_variant(base: BaseModel, features: Features, vocab: list[int], seconds: float) -> tuple[DraftHeads, float]:
     """Opacus DP-SGD rounds (eps 8 planned over them) until the budget is spent; returns heads and tokens/s."""
     heads = DraftHeads.fresh(base, 4, arch="recurrent", draft_vocab=vocab)
-    config = FedConfig.from_mapping({"dp": True, "dp-target-epsilon": 8.0, "batch-size": 64, "lr": 2e-3,
-                                     "num-server-rounds": 4, "local-epochs": 1})
+    config = FedConfig.from_mapping(
+        {"dp": True, "dp-target-epsilon": 8.0, "batch-size": 64, "lr": 2e-3, "num-server-rounds": 4, "local-epochs": 1}
+    )
     state = PrivacyState(run_key="bench")
     tokens, spent, rounds = 0, 0.0, 0
     while spent < seconds and rounds < config.num_server_rounds:
@@ -117,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(name: str, heads: DraftHeads, rate: float) -> None:
         accuracy = evaluate_heads(heads, heldout_features)["head_accuracy"]
-        results[name] = {"train_tokens_per_s": round(rate, 1), "heldout_acc": [round(a, 4) for a in accuracy],
-                         "tau_heads_only": round(heads_only_tau(base, heads, prompts, args.max_new_tokens), 3)}
+        results[name] = {
+            "train_tokens_per_s": round(rate, 1),
+            "heldout_acc": [round(a, 4) for a in accuracy],
+            "tau_heads_only": round(heads_only_tau(base, heads, prompts, args.max_new_tokens), 3),
+        }
         print(name, results[name], flush=True)
 
     for name, (size, arch) in VARIANTS.items():
@@ -139,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.perf_counter() + args.curve_minutes * 60
         while time.perf_counter() < deadline:
             loader = feature_loader(features, 16, shuffle=True, seed=epoch)
-            trained += train_epoch(heads, loader, optimizer, 4, show_progress=False, deadline=deadline,
-                                   mixed_precision=True).tokens
+            trained += train_epoch(
+                heads, loader, optimizer, 4, show_progress=False, deadline=deadline, mixed_precision=True
+            ).tokens
             epoch += 1
-            curve.append({"train_tokens": trained,
-                          "heldout_acc": [round(a, 4) for a in evaluate_heads(heads, heldout_features)["head_accuracy"]]})
+            curve.append(
+                {
+                    "train_tokens": trained,
+                    "heldout_acc": [round(a, 4) for a in evaluate_heads(heads, heldout_features)["head_accuracy"]],
+                }
+            )
             print("curve", curve[-1], flush=True)
         results["curve"] = curve
 
@@ -155,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         accuracy = " / ".join(f"{a:.3f}" for a in row.get("heldout_acc", []))
         tau = f"{row['tau_heads_only']:.2f}" if "tau_heads_only" in row else "-"
         print(f"{name:<30}{row['train_tokens_per_s']:>10.1f}{tau:>7}  {accuracy}")
-    print(f"base features: {results['feature_tokens_per_s']:.0f} tokens/s (once per chunk); "
-          f"DP / non-DP training rate: {results['dp_over_nodp_rate']:.2f}; JSON: {args.json}")
+    print(
+        f"base features: {results['feature_tokens_per_s']:.0f} tokens/s (once per chunk); "
+        f"DP / non-DP training rate: {results['dp_over_nodp_rate']:.2f}; JSON: {args.json}"
+    )
     return 0
 
 

@@ -26,8 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, help="default: rounds x local epochs of the scenario")
     parser.add_argument("--out")
     parser.add_argument("--reuse", metavar="HEADS_DIR", help="evaluate these saved central heads instead of training")
-    parser.add_argument("--compare", action="append", default=[], metavar="RUN_DIR",
-                        help="also evaluate the last checkpoint of these federated runs the same way")
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="also evaluate the last checkpoint of these federated runs the same way",
+    )
     args = parser.parse_args(argv)
 
     from client.task import cached_base, client_data
@@ -43,23 +48,36 @@ def main(argv: list[str] | None = None) -> int:
     config = FedConfig.from_mapping(overrides)
     nodes = int(scenario.get("federation", {}).get("num-supernodes", 2))
     base = cached_base(config)
-    chunks = torch.cat([client_data(config, base, {"partition-id": p, "num-partitions": nodes}).train
-                        for p in range(nodes)])
+    chunks = torch.cat(
+        [client_data(config, base, {"partition-id": p, "num-partitions": nodes}).train for p in range(nodes)]
+    )
     epochs = args.epochs or config.num_server_rounds * config.local_epochs
     evaluation = ServerEval.build(base, config)
     torch.manual_seed(config.seed)
     fresh = DraftHeads.fresh(base, config.num_heads)
-    report = {"scenario": args.scenario, "train_chunks": int(len(chunks)), "chunk_len": config.chunk_len,
-              "epochs": epochs, "lr": config.lr, "batch_size": config.batch_size,
-              "fresh": evaluation.run(fresh, base, config, heads_only=True)}
+    report = {
+        "scenario": args.scenario,
+        "train_chunks": int(len(chunks)),
+        "chunk_len": config.chunk_len,
+        "epochs": epochs,
+        "lr": config.lr,
+        "batch_size": config.batch_size,
+        "fresh": evaluation.run(fresh, base, config, heads_only=True),
+    }
     if args.reuse:
         heads = DraftHeads.load(args.reuse, base)
         report["reused"] = args.reuse
     else:
         heads = DraftHeads.fresh(base, config.num_heads)
         started = time.perf_counter()
-        history = train_heads(heads, base_features(base, chunks, progress=True), epochs=epochs, lr=config.lr,
-                              batch_size=config.batch_size, seed=config.seed)
+        history = train_heads(
+            heads,
+            base_features(base, chunks, progress=True),
+            epochs=epochs,
+            lr=config.lr,
+            batch_size=config.batch_size,
+            seed=config.seed,
+        )
         report["train_seconds"] = time.perf_counter() - started
         report["train"] = history[-1]
     report["central"] = evaluation.run(heads, base, config, heads_only=True)
@@ -71,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         if found is None:
             continue
         federated = evaluation.run(DraftHeads.load(found[1], base), base, config, heads_only=True)
-        ratios = {key: federated[key] / report["central"][key]
-                  for key in ("tau", "tau_heads_only") if federated.get(key) and report["central"].get(key)}
+        ratios = {
+            key: federated[key] / report["central"][key]
+            for key in ("tau", "tau_heads_only")
+            if federated.get(key) and report["central"].get(key)
+        }
         report["federated"][str(run_dir)] = {"round": found[0], **federated, "ratio_to_central": ratios}
     out = Path(args.out or REPO / "runs" / f"central-{args.scenario}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

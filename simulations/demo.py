@@ -52,9 +52,11 @@ def public_heads(base, out: Path, minutes: float) -> DraftHeads:
     heads.save(out)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     accuracy = " / ".join(f"{a:.2f}" for a in report["heldout"]["head_accuracy"])
-    print(f"public heads: {report['train_tokens']:,} training tokens in {report['train_seconds']:.0f}s "
-          f"({report['train_tokens_per_s']:.0f} tokens/s; base features {report['feature_seconds']:.0f}s), "
-          f"held-out top-1 per head {accuracy}, draft vocabulary {report['draft_vocab']:,} tokens -> {out}")
+    print(
+        f"public heads: {report['train_tokens']:,} training tokens in {report['train_seconds']:.0f}s "
+        f"({report['train_tokens_per_s']:.0f} tokens/s; base features {report['feature_seconds']:.0f}s), "
+        f"held-out top-1 per head {accuracy}, draft vocabulary {report['draft_vocab']:,} tokens -> {out}"
+    )
     return heads
 
 
@@ -69,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print("== 1/6 embedded default base model", flush=True)
     base = load_base(ensure_default_base(), device="auto")
-    print(f"{base.path}: {sum(p.numel() for p in base.model.parameters()):,} parameters, "
-          f"{base.model.config.model_type}, {base.device} {str(base.dtype).removeprefix('torch.')}")
+    print(
+        f"{base.path}: {sum(p.numel() for p in base.model.parameters()):,} parameters, "
+        f"{base.model.config.model_type}, {base.device} {str(base.dtype).removeprefix('torch.')}"
+    )
 
     run_id = f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     run_dir = REPO / "runs" / run_id
@@ -79,8 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     public_heads(base, public_dir, args.public_minutes)
 
     print("\n== 3/6 federated fine-tuning: Flower simulation, Opacus DP-SGD, SecAgg+", flush=True)
-    runner_args = ["demo", "--run-id", run_id, "--set", f'init-heads="{public_dir}"',
-                   "--set", f'base-model-dir="{base.path}"']
+    runner_args = [
+        "demo",
+        "--run-id",
+        run_id,
+        "--set",
+        f'init-heads="{public_dir}"',
+        "--set",
+        f'base-model-dir="{base.path}"',
+    ]
     if args.rounds:
         runner_args += ["--rounds", str(args.rounds)]
     if scenario_runner.main(runner_args) != 0:
@@ -95,21 +106,26 @@ def main(argv: list[str] | None = None) -> int:
     ids = prompt_ids(base, CHAT_PROMPT, chat=True)
     result = generate(base, ids, mode="ams", heads=heads, max_new_tokens=args.max_new_tokens)
     print(f"user: {CHAT_PROMPT}\nassistant: \033[1m{result.text}\033[0m")
-    print(f"[{len(result.tokens)} tokens, {result.tokens_per_s:.0f} tokens/s, tau {result.tau:.2f}, "
-          f"stop: {result.stop_reason}]")
+    print(
+        f"[{len(result.tokens)} tokens, {result.tokens_per_s:.0f} tokens/s, tau {result.tau:.2f}, "
+        f"stop: {result.stop_reason}]"
+    )
 
     print("\n== 5/6 speed, side by side in one process (held-out stdlib code, batch size 1)", flush=True)
     prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, args.prompts, 64)
-    bench = decode_benchmark(base, heads, prompts, args.max_new_tokens,
-                             modes=("hf_greedy", "hf_prompt_lookup", "ams", "ams_heads_only"))
+    bench = decode_benchmark(
+        base, heads, prompts, args.max_new_tokens, modes=("hf_greedy", "hf_prompt_lookup", "ams", "ams_heads_only")
+    )
     print(format_table(bench))
     (run_dir / "bench_decode.json").write_text(json.dumps(bench, indent=2))
     speedup = bench["speedup_vs_hf_greedy"]["ams"]
     row = bench["modes"]["ams"]
     lossless = all(d["near_tie"] for d in row["divergences"])  # only fp rounding ties may differ
-    print(f"\nAMS-LD with federated heads: {speedup:.2f}x transformers greedy generate, tau {row['tau']:.2f}; "
-          f"outputs identical to greedy: {len(prompts) - row['mismatches']} of {len(prompts)}"
-          + ("" if row["identical_to_hf_greedy"] else f" (the others differ at near-ties only: {lossless})"))
+    print(
+        f"\nAMS-LD with federated heads: {speedup:.2f}x transformers greedy generate, tau {row['tau']:.2f}; "
+        f"outputs identical to greedy: {len(prompts) - row['mismatches']} of {len(prompts)}"
+        + ("" if row["identical_to_hf_greedy"] else f" (the others differ at near-ties only: {lossless})")
+    )
 
     print("\n== 6/6 aggregation dashboard", flush=True)
     print(f"fedla dashboard --db {REPO / 'runs' / 'fedla.db'}   # then open http://127.0.0.1:8080/runs/{run_id}")

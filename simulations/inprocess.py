@@ -23,8 +23,14 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 class InProcessGrid(Grid):
-    def __init__(self, client_app: ClientApp | Callable[[int], ClientApp], num_nodes: int, run_config: dict,
-                 node_configs: dict[int, dict] | None = None, run_id: int = 1) -> None:
+    def __init__(
+        self,
+        client_app: ClientApp | Callable[[int], ClientApp],
+        num_nodes: int,
+        run_config: dict,
+        node_configs: dict[int, dict] | None = None,
+        run_id: int = 1,
+    ) -> None:
         self._run = Run.create_empty(run_id)
         # Messages take their sender's identity from the process (set by Flower's runtime otherwise)
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, 0
@@ -34,8 +40,9 @@ class InProcessGrid(Grid):
             node_id = 1000 + partition
             node_config = {"partition-id": partition, "num-partitions": num_nodes}
             node_config.update((node_configs or {}).get(partition, {}))
-            self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=node_config,
-                                             state=RecordDict(), run_config=dict(run_config))
+            self.contexts[node_id] = Context(
+                run_id=run_id, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=dict(run_config)
+            )
         self.client_seconds: dict[int, float] = {}
 
     def app_for(self, node_id: int) -> ClientApp:
@@ -76,8 +83,10 @@ class InProcessGrid(Grid):
                 reply = Message(metadata=copy.deepcopy(reply.metadata), content=copy.deepcopy(reply.content))
                 self.contexts[node] = context
             except Exception as exc:  # noqa: BLE001 - a crashing client becomes an error reply, as in Flower
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                      reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
+                reply = Message(
+                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(exc).__name__}: {exc}"),
+                    reply_to=delivered,
+                )
             self.client_seconds[node] = self.client_seconds.get(node, 0.0) + time.perf_counter() - started
             replies.append(reply)
         return replies

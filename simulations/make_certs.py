@@ -39,8 +39,9 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _san(names: list[str]) -> x509.SubjectAlternativeName:
@@ -57,33 +58,56 @@ def make_ca(out: Path, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Cert
     key = ec.generate_private_key(CURVE())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "FedLookahead test CA")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA384()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA384())
+    )
     _write(out / "ca.key", _key_pem(key), private=True)
     _write(out / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
     return key, cert
 
 
-def make_server_cert(out: Path, ca_key, ca_cert: x509.Certificate, names: list[str], days: int,
-                     stem: str = "server") -> None:
+def make_server_cert(
+    out: Path, ca_key, ca_cert: x509.Certificate, names: list[str], days: int, stem: str = "server"
+) -> None:
     key = ec.generate_private_key(CURVE())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA384()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_san(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
     _write(out / f"{stem}.key", _key_pem(key), private=True)
     _write(out / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM))
 
@@ -91,8 +115,13 @@ def make_server_cert(out: Path, ca_key, ca_cert: x509.Certificate, names: list[s
 def make_node_key(out: Path, name: str) -> Path:
     """An ECDSA P-384 key pair in OpenSSH format: <name> (private) and <name>.pub."""
     key = ec.generate_private_key(CURVE())
-    _write(out / name, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                         serialization.NoEncryption()), private=True)
+    _write(
+        out / name,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+        private=True,
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     _write(out / f"{name}.pub", public + f" fedla-{name}\n".encode())
     return out / name
@@ -112,8 +141,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("certs"), help="output folder (default: certs)")
     parser.add_argument("--nodes", type=int, default=3, help="SuperNode key pairs to create (default: 3)")
-    parser.add_argument("--san", action="append", default=[],
-                        help="extra host name or IP of the SuperLink for its certificate (repeatable)")
+    parser.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        help="extra host name or IP of the SuperLink for its certificate (repeatable)",
+    )
     parser.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
     args = parser.parse_args()
     out = make_certs(args.out, args.nodes, args.san, args.days)

@@ -57,8 +57,20 @@ from pathlib import Path
 
 import torch
 
-PACKAGES = ("click", "attr", "requests", "yaml", "httpx", "dateutil", "urllib3", "pyparsing", "anyio",
-            "starlette", "markdown_it", "tqdm")
+PACKAGES = (
+    "click",
+    "attr",
+    "requests",
+    "yaml",
+    "httpx",
+    "dateutil",
+    "urllib3",
+    "pyparsing",
+    "anyio",
+    "starlette",
+    "markdown_it",
+    "tqdm",
+)
 EPSILONS = (1, 2, 4, 8)
 DELTA = 1e-5
 TRICK_EPSILON = 8
@@ -88,9 +100,21 @@ class Scale:
     validate_tokens: int = 32
 
 
-QUICK = Scale(clients=4, rounds=2, chunk_len=32, max_chunks_per_client=24, heldout_fraction=0.25, batch_size=4,
-              lr=1e-3, max_files_per_package=3, packages=PACKAGES[:8], tricks=False, user_dp=True,
-              validate_prompts=1, validate_tokens=8)
+QUICK = Scale(
+    clients=4,
+    rounds=2,
+    chunk_len=32,
+    max_chunks_per_client=24,
+    heldout_fraction=0.25,
+    batch_size=4,
+    lr=1e-3,
+    max_files_per_package=3,
+    packages=PACKAGES[:8],
+    tricks=False,
+    user_dp=True,
+    validate_prompts=1,
+    validate_tokens=8,
+)
 
 
 def log(message: str) -> None:
@@ -136,13 +160,29 @@ def base_run_config(scale: Scale, base_dir: Path, data_dir: Path, heads_dir: Pat
     """The product's run config (pyproject keys) shared by every federated configuration."""
     n = scale.clients
     return {
-        "base-model-dir": str(base_dir), "data-source": str(data_dir), "partitioning": "package",
-        "init-heads": str(heads_dir), "num-server-rounds": scale.rounds, "min-train-clients": n,
-        "min-available-clients": n, "node-wait-seconds": 0.0, "chunk-len": scale.chunk_len,
-        "max-chunks-per-client": scale.max_chunks_per_client, "local-heldout-fraction": scale.heldout_fraction,
-        "batch-size": scale.batch_size, "lr": scale.lr, "local-epochs": 1, "num-heads": 4,
-        "dp-delta": DELTA, "secagg": True, "fraction-evaluate": 0.0, "server-eval-chunks": 0, "eval-prompts": 1,
-        "eval-max-new-tokens": 0, "client-eval-prompts": 0, "run-dir": str(out_dir / "runs"),
+        "base-model-dir": str(base_dir),
+        "data-source": str(data_dir),
+        "partitioning": "package",
+        "init-heads": str(heads_dir),
+        "num-server-rounds": scale.rounds,
+        "min-train-clients": n,
+        "min-available-clients": n,
+        "node-wait-seconds": 0.0,
+        "chunk-len": scale.chunk_len,
+        "max-chunks-per-client": scale.max_chunks_per_client,
+        "local-heldout-fraction": scale.heldout_fraction,
+        "batch-size": scale.batch_size,
+        "lr": scale.lr,
+        "local-epochs": 1,
+        "num-heads": 4,
+        "dp-delta": DELTA,
+        "secagg": True,
+        "fraction-evaluate": 0.0,
+        "server-eval-chunks": 0,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 0,
+        "client-eval-prompts": 0,
+        "run-dir": str(out_dir / "runs"),
         "store-url": f"sqlite:///{out_dir / 'runs' / 'privacy_utility.db'}",
     }
 
@@ -160,14 +200,19 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
     grid = InProcessGrid(app, clients, config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     run_dir = run_federation(grid, context, FedConfig.from_mapping(config))
-    rounds = [json.loads(p.read_text()) for p in sorted((run_dir / "rounds").glob("round-*.json"),
-                                                        key=lambda p: int(p.stem.split("-")[1]))]
+    rounds = [
+        json.loads(p.read_text())
+        for p in sorted((run_dir / "rounds").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    ]
     plan = json.loads((run_dir / "run.json").read_text())["plan"]
     last = rounds[-1]
     privacy = {
-        "epsilon_max": last["privacy"]["epsilon_max"], "epsilon_mean": last["privacy"]["epsilon_mean"],
-        "noise_multiplier": last["privacy"]["noise_multiplier"], "q": last["privacy"]["q"],
-        "aggregated_rounds": sum(int(r["aggregated"]) for r in rounds), "rounds": len(rounds),
+        "epsilon_max": last["privacy"]["epsilon_max"],
+        "epsilon_mean": last["privacy"]["epsilon_mean"],
+        "noise_multiplier": last["privacy"]["noise_multiplier"],
+        "q": last["privacy"]["q"],
+        "aggregated_rounds": sum(int(r["aggregated"]) for r in rounds),
+        "rounds": len(rounds),
         "skipped_budget": sum(len(r["participation"]["skipped_budget"]) for r in rounds),
     }
     if "user_dp" in plan:
@@ -235,8 +280,10 @@ def chain_acceptance(heads, features, batch_size: int = 16) -> dict:
         chain = torch.stack(hits).long().cumprod(dim=0)  # (K, B, T): 1 while heads 1..k all hit
         accepted_sum += int(chain.sum())
         positions += chain.shape[1] * chain.shape[2]
-    return {"acc": [c / t if t else 0.0 for c, t in zip(correct, total)],
-            "tau_heads_only": 1.0 + accepted_sum / positions if positions else 1.0}
+    return {
+        "acc": [c / t if t else 0.0 for c, t in zip(correct, total)],
+        "tau_heads_only": 1.0 + accepted_sum / positions if positions else 1.0,
+    }
 
 
 def evaluate(heads, splits: list[ClientSplit], part: str = "test") -> dict:
@@ -246,8 +293,10 @@ def evaluate(heads, splits: list[ClientSplit], part: str = "test") -> dict:
     return {
         "tau_heads_only": sum(c["tau_heads_only"] for c in per_client) / len(per_client),
         "acc": [sum(c["acc"][i] for c in per_client) / len(per_client) for i in range(k)],
-        "per_client": [{"tau_heads_only": round(c["tau_heads_only"], 4), "acc": [round(a, 4) for a in c["acc"]]}
-                       for c in per_client],
+        "per_client": [
+            {"tau_heads_only": round(c["tau_heads_only"], 4), "acc": [round(a, 4) for a in c["acc"]]}
+            for c in per_client
+        ],
     }
 
 
@@ -259,8 +308,11 @@ def central_finetune(public_dir: Path, base, splits: list[ClientSplit], run_conf
     from common.fedconfig import FedConfig
     from common.heads import DraftHeads
 
-    pooled = Features(torch.cat([s.train.tokens for s in splits]), torch.cat([s.train.hidden for s in splits]),
-                      torch.cat([s.train.greedy for s in splits]))
+    pooled = Features(
+        torch.cat([s.train.tokens for s in splits]),
+        torch.cat([s.train.hidden for s in splits]),
+        torch.cat([s.train.greedy for s in splits]),
+    )
     config = FedConfig.from_mapping(dict(run_config, **{"dp": False, "local-epochs": run_config["num-server-rounds"]}))
     heads = DraftHeads.load(public_dir, base)
     heads.train()
@@ -281,9 +333,12 @@ def validate_tau(base, heads_by_name: dict, splits: list[ClientSplit], prompts: 
             if tau is not None:
                 taus.append(tau)
             estimates.append(chain_acceptance(heads, split.test.subset(slice(0, prompts)))["tau_heads_only"])
-        out[name] = {"decoded_ams_heads_only": sum(taus) / len(taus) if taus else None,
-                     "chain_estimate_same_chunks": sum(estimates) / len(estimates),
-                     "prompts": prompts * len(splits), "max_new_tokens": tokens}
+        out[name] = {
+            "decoded_ams_heads_only": sum(taus) / len(taus) if taus else None,
+            "chain_estimate_same_chunks": sum(estimates) / len(estimates),
+            "prompts": prompts * len(splits),
+            "max_new_tokens": tokens,
+        }
     return out
 
 
@@ -304,8 +359,15 @@ def ensure_public_heads(path: Path | None, base, scale: Scale, cache: Path) -> P
     chunks = chunk_files(files[: 40 if scale is QUICK else 400], base.tokenizer, scale.chunk_len)
     heldout = chunk_files(stdlib_files("heldout")[:10], base.tokenizer, scale.chunk_len)
     limit = 64 if scale is QUICK else 1000
-    heads, _ = fit_heads(base, chunks[:limit], heldout[:32], draft_vocab_size=min(8192, base.vocab_size // 2),
-                         epochs=2, max_seconds=10 if scale is QUICK else 600, show_progress=False)
+    heads, _ = fit_heads(
+        base,
+        chunks[:limit],
+        heldout[:32],
+        draft_vocab_size=min(8192, base.vocab_size // 2),
+        epochs=2,
+        max_seconds=10 if scale is QUICK else 600,
+        show_progress=False,
+    )
     heads.save(target)
     return target
 
@@ -329,24 +391,35 @@ def plot(result: dict, path: Path) -> Path:
 
     eps = sorted(result["dp"], key=float)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "tau_heads_only", "heads-only tau (clients' held-out code)"),
-                           (axes[1], "acc", "head-1 top-1 accuracy")):
+    for ax, key, label in (
+        (axes[0], "tau_heads_only", "heads-only tau (clients' held-out code)"),
+        (axes[1], "acc", "head-1 top-1 accuracy"),
+    ):
+
         def value(entry: dict, key: str = key) -> float:
             return entry[key] if key == "tau_heads_only" else entry[key][0]
 
-        ax.plot([float(e) for e in eps], [value(result["dp"][e]) for e in eps], "o-", label="federated DP (example level)")
+        ax.plot(
+            [float(e) for e in eps], [value(result["dp"][e]) for e in eps], "o-", label="federated DP (example level)"
+        )
         for name, style in (("public_only", "k--"), ("federated_nodp", "b:"), ("central_nodp", "g-.")):
             if name in result:
                 ax.axhline(value(result[name]), linestyle=style[1:], color=style[0], label=name)
-        shown = [value(result["dp"][e]) for e in eps] + [value(result[n]) for n in ("public_only", "central_nodp")
-                                                          if n in result]
+        shown = [value(result["dp"][e]) for e in eps] + [
+            value(result[n]) for n in ("public_only", "central_nodp") if n in result
+        ]
         low, high = min(shown), max(shown)
         for name, entry in result.get("user_dp", {}).items():
             if value(entry) >= low - (high - low):
                 ax.plot([float(name)], [value(entry)], "r^", label="federated DP (user level)")
             else:  # far below the rest: a note instead of an axis that flattens the curve
-                ax.annotate(f"user-level DP eps {name}: {value(entry):.3f} (off scale)", xy=(0.02, 0.02),
-                            xycoords="axes fraction", fontsize=7, color="r")
+                ax.annotate(
+                    f"user-level DP eps {name}: {value(entry):.3f} (off scale)",
+                    xy=(0.02, 0.02),
+                    xycoords="axes fraction",
+                    fontsize=7,
+                    color="r",
+                )
         ax.set_xscale("log", base=2)
         ax.set(xlabel="epsilon (delta 1e-5, all rounds)", title=label)
         ax.legend(fontsize=7)
@@ -358,18 +431,25 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", default="privacy_utility.json", help="output JSON (the PNG goes beside it)")
     parser.add_argument("--base", default="", help="base model folder (default: the embedded default base)")
     parser.add_argument("--public-heads", default="", help="the server's public heads (default: trained once, cached)")
-    parser.add_argument("--quick", action="store_true", help="tiny scale: an end-to-end check in under a minute on a tiny base")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny scale: an end-to-end check in under a minute on a tiny base"
+    )
     parser.add_argument("--clients", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--max-chunks-per-client", type=int, default=0)
     parser.add_argument("--no-tricks", action="store_true", help="skip the comparison of DP tricks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--prepare-data", action="store_true",
-                        help="only build the private folder (site-packages sources by package) and print it")
+    parser.add_argument(
+        "--prepare-data",
+        action="store_true",
+        help="only build the private folder (site-packages sources by package) and print it",
+    )
     args = parser.parse_args(argv)
     if args.prepare_data:
         from common.default_model import cache_root
@@ -383,8 +463,15 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     scale = QUICK if args.quick else Scale()
-    overrides = {k: v for k, v in (("clients", args.clients), ("rounds", args.rounds),
-                                    ("max_chunks_per_client", args.max_chunks_per_client)) if v}
+    overrides = {
+        k: v
+        for k, v in (
+            ("clients", args.clients),
+            ("rounds", args.rounds),
+            ("max_chunks_per_client", args.max_chunks_per_client),
+        )
+        if v
+    }
     if args.no_tricks:
         overrides["tricks"] = False
     if overrides:
@@ -402,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = cache_root() / "privacy_utility"
     base_dir = Path(args.base).expanduser().resolve() if args.base else ensure_default_base()
     base = load_base(base_dir)
-    public_dir = ensure_public_heads(Path(args.public_heads).expanduser().resolve() if args.public_heads else None,
-                                     base, scale, cache)
+    public_dir = ensure_public_heads(
+        Path(args.public_heads).expanduser().resolve() if args.public_heads else None, base, scale, cache
+    )
     data_dir = private_corpus(scale.packages, scale.max_files_per_package, cache)
     run_config = base_run_config(scale, base_dir, data_dir, public_dir, out_dir)
     timings: dict[str, float] = {}
@@ -415,23 +503,33 @@ def main(argv: list[str] | None = None) -> int:
     client_base = cached_base(FedConfig.from_mapping(run_config))  # the instance the ClientApps will use
     splits = client_splits(run_config, client_base, scale.clients)
     timings["features"] = time.perf_counter() - t
-    log(f"{scale.clients} clients: train chunks {[len(s.train) for s in splits]}, "
-        f"val {[len(s.val) for s in splits]}, test {[len(s.test) for s in splits]} ({timings['features']:.0f}s)")
+    log(
+        f"{scale.clients} clients: train chunks {[len(s.train) for s in splits]}, "
+        f"val {[len(s.val) for s in splits]}, test {[len(s.test) for s in splits]} ({timings['features']:.0f}s)"
+    )
 
     result: dict = {"clients": scale.clients, "rounds": scale.rounds}
-    meta: dict = {"delta": DELTA, "scale": dataclasses.asdict(scale), "base": str(base_dir),
-                  "public_heads": str(public_dir), "private_data": str(data_dir),
-                  "train_chunks": [len(s.train) for s in splits], "test_chunks": [len(s.test) for s in splits],
-                  "val_chunks": [len(s.val) for s in splits], "threads": args.threads,
-                  "tau_method": "teacher-forced chain estimate: 1 + mean over positions of the number of leading heads "
-                                "whose top-1 equals the base's greedy token (greedy chain verification)",
-                  "evaluated_on": "each client's held-out test half; mean over clients",
-                  "selection": "DP tricks kept by tau on the held-out validation half (disjoint from test)"}
+    meta: dict = {
+        "delta": DELTA,
+        "scale": dataclasses.asdict(scale),
+        "base": str(base_dir),
+        "public_heads": str(public_dir),
+        "private_data": str(data_dir),
+        "train_chunks": [len(s.train) for s in splits],
+        "test_chunks": [len(s.test) for s in splits],
+        "val_chunks": [len(s.val) for s in splits],
+        "threads": args.threads,
+        "tau_method": "teacher-forced chain estimate: 1 + mean over positions of the number of leading heads "
+        "whose top-1 equals the base's greedy token (greedy chain verification)",
+        "evaluated_on": "each client's held-out test half; mean over clients",
+        "selection": "DP tricks kept by tau on the held-out validation half (disjoint from test)",
+    }
     heads_for_validation = {}
 
     def save() -> None:
-        payload = round_floats({**result, "meta": {**meta, "seconds": timings,
-                                                    "total_seconds": time.perf_counter() - started}})
+        payload = round_floats(
+            {**result, "meta": {**meta, "seconds": timings, "total_seconds": time.perf_counter() - started}}
+        )
         out_json.write_text(json.dumps(payload, indent=1))
         try:
             if result.get("dp"):
@@ -455,14 +553,34 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         run_dir, privacy = federate(config, scale.clients, name)
         heads = final_heads(run_dir, base)
-        entry = {**evaluate(heads, splits), "val_tau_heads_only": evaluate(heads, splits, "val")["tau_heads_only"],
-                 "privacy": privacy, "run_dir": str(run_dir),
-                 "config": {k: config[k] for k in ("batch-size", "lr", "dp", "dp-target-epsilon", "dp-max-grad-norm",
-                                                   "server-optimizer", "server-lr", "server-momentum", "dp-trainable",
-                                                   "dp-level", "dp-user-clip") if k in config}}
+        entry = {
+            **evaluate(heads, splits),
+            "val_tau_heads_only": evaluate(heads, splits, "val")["tau_heads_only"],
+            "privacy": privacy,
+            "run_dir": str(run_dir),
+            "config": {
+                k: config[k]
+                for k in (
+                    "batch-size",
+                    "lr",
+                    "dp",
+                    "dp-target-epsilon",
+                    "dp-max-grad-norm",
+                    "server-optimizer",
+                    "server-lr",
+                    "server-momentum",
+                    "dp-trainable",
+                    "dp-level",
+                    "dp-user-clip",
+                )
+                if k in config
+            },
+        }
         timings[name] = time.perf_counter() - t
-        log(f"{name}: tau {entry['tau_heads_only']:.3f} (val {entry['val_tau_heads_only']:.3f}) acc "
-            f"{[round(a, 3) for a in entry['acc']]} eps {privacy['epsilon_max']} ({timings[name]:.0f}s)")
+        log(
+            f"{name}: tau {entry['tau_heads_only']:.3f} (val {entry['val_tau_heads_only']:.3f}) acc "
+            f"{[round(a, 3) for a in entry['acc']]} eps {privacy['epsilon_max']} ({timings[name]:.0f}s)"
+        )
         entry["_heads"] = heads
         return entry
 
@@ -481,15 +599,30 @@ def main(argv: list[str] | None = None) -> int:
     result["dp"] = {str(TRICK_EPSILON): strip(best)}
     save()
     if scale.tricks:
-        comparison = [{"trick": "default (batch 16, lr 1e-3, clip 1.0, FedAvg, all parameters)", "kept": True,
-                       "val_tau_heads_only": best["val_tau_heads_only"], "tau_heads_only": best["tau_heads_only"],
-                       "acc": best["acc"], "recipe": {}}]
+        comparison = [
+            {
+                "trick": "default (batch 16, lr 1e-3, clip 1.0, FedAvg, all parameters)",
+                "kept": True,
+                "val_tau_heads_only": best["val_tau_heads_only"],
+                "tau_heads_only": best["tau_heads_only"],
+                "acc": best["acc"],
+                "recipe": {},
+            }
+        ]
         for name, change in TRICKS:
             trial = run(f"dp-eps{TRICK_EPSILON}-{name}", dp_config(TRICK_EPSILON, {**recipe, **change}))
             kept = trial["val_tau_heads_only"] > best["val_tau_heads_only"]
-            comparison.append({"trick": name, "kept": kept, "val_tau_heads_only": trial["val_tau_heads_only"],
-                               "tau_heads_only": trial["tau_heads_only"], "acc": trial["acc"],
-                               "recipe": {**recipe, **change}, "seconds": timings[f"dp-eps{TRICK_EPSILON}-{name}"]})
+            comparison.append(
+                {
+                    "trick": name,
+                    "kept": kept,
+                    "val_tau_heads_only": trial["val_tau_heads_only"],
+                    "tau_heads_only": trial["tau_heads_only"],
+                    "acc": trial["acc"],
+                    "recipe": {**recipe, **change},
+                    "seconds": timings[f"dp-eps{TRICK_EPSILON}-{name}"],
+                }
+            )
             if kept:
                 recipe, best = {**recipe, **change}, trial
             result["tricks"] = {"epsilon": TRICK_EPSILON, "comparison": comparison, "chosen_recipe": recipe}
@@ -502,14 +635,17 @@ def main(argv: list[str] | None = None) -> int:
         result["dp"] = dict(sorted(result["dp"].items(), key=lambda kv: float(kv[0])))
         save()
     if scale.user_dp:
-        entry = run(f"user-dp-eps{TRICK_EPSILON}", dict(run_config, **{"dp": True, "dp-level": "user",
-                                                                        "dp-target-epsilon": float(TRICK_EPSILON)}))
+        entry = run(
+            f"user-dp-eps{TRICK_EPSILON}",
+            dict(run_config, **{"dp": True, "dp-level": "user", "dp-target-epsilon": float(TRICK_EPSILON)}),
+        )
         result["user_dp"] = {str(TRICK_EPSILON): strip(entry)}
         save()
 
     t = time.perf_counter()
-    result["tau_validation"] = validate_tau(client_base, heads_for_validation, splits, scale.validate_prompts,
-                                            scale.validate_tokens)
+    result["tau_validation"] = validate_tau(
+        client_base, heads_for_validation, splits, scale.validate_prompts, scale.validate_tokens
+    )
     timings["tau_validation"] = time.perf_counter() - t
     save()
     log(f"wrote {out_json} and {out_json.with_suffix('.png')} in {time.perf_counter() - started:.0f}s")
@@ -537,8 +673,10 @@ def table(result: dict) -> str:
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     for trial in result.get("tricks", {}).get("comparison", []):
-        lines.append(f"trick {trial['trick']}: val tau {trial['val_tau_heads_only']:.3f}, test tau "
-                     f"{trial['tau_heads_only']:.3f}, {'kept' if trial['kept'] else 'dropped'}")
+        lines.append(
+            f"trick {trial['trick']}: val tau {trial['val_tau_heads_only']:.3f}, test tau "
+            f"{trial['tau_heads_only']:.3f}, {'kept' if trial['kept'] else 'dropped'}"
+        )
     return "\n".join(lines)
 
 

@@ -54,14 +54,21 @@ def _timed(seconds: dict[str, float], part: str, fn: Callable, device: torch.dev
 def phase_timers(base: BaseModel) -> Iterator[dict[str, float]]:
     """Accumulate seconds per part while the block runs; every patch is undone on exit."""
     seconds: dict[str, float] = defaultdict(float)
-    patches = [(BaseRunner, "forward", "base body"), (HeadsTreeDrafter, "draft_inputs", "drafting"),
-               (HeadsTreeDrafter, "propose", "drafting"), (decoders, "keep_cache_path", "cache compaction")]
+    patches = [
+        (BaseRunner, "forward", "base body"),
+        (HeadsTreeDrafter, "draft_inputs", "drafting"),
+        (HeadsTreeDrafter, "propose", "drafting"),
+        (decoders, "keep_cache_path", "cache compaction"),
+    ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     lm_head = base.model.get_output_embeddings()
     started: list[float] = []
-    hooks = [lm_head.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())),
-             lm_head.register_forward_hook(
-                 lambda *_: seconds.__setitem__("lm head", seconds["lm head"] + time.perf_counter() - started.pop()))]
+    hooks = [
+        lm_head.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())),
+        lm_head.register_forward_hook(
+            lambda *_: seconds.__setitem__("lm head", seconds["lm head"] + time.perf_counter() - started.pop())
+        ),
+    ]
     try:
         for owner, name, part in patches:
             setattr(owner, name, _timed(seconds, part, getattr(owner, name), base.device))
@@ -108,10 +115,17 @@ def main() -> None:
     base = load_base(resolve_base(args.base), dtype=DTYPES[args.dtype])
     heads = DraftHeads.load(args.heads, base)
     prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, args.prompts, args.prompt_tokens)
-    report = {"dtype": args.dtype, "threads": args.threads, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, **profile(base, heads, prompts, args.max_new_tokens)}
-    print(f"AMS-LD, {report['prompts']} prompts x {args.max_new_tokens} tokens, {args.dtype}, {args.threads} thread(s): "
-          f"{report['tokens_per_s']} tok/s, tau {report['tau']}")
+    report = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        **profile(base, heads, prompts, args.max_new_tokens),
+    }
+    print(
+        f"AMS-LD, {report['prompts']} prompts x {args.max_new_tokens} tokens, {args.dtype}, {args.threads} thread(s): "
+        f"{report['tokens_per_s']} tok/s, tau {report['tau']}"
+    )
     print(f"{'part':<42} {'share':>7} {'ms/step':>8}")
     for part, share in sorted(report["share"].items(), key=lambda item: -item[1]):
         print(f"{part:<42} {100 * share:>6.1f}% {report['ms_per_step'][part]:>8.2f}")

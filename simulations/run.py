@@ -36,9 +36,11 @@ def load_scenario(name: str) -> dict:
     data = tomllib.loads(path.read_text())
     if "base" in data:
         parent = load_scenario(data["base"])
-        data = {"description": data.get("description", parent.get("description", "")),
-                "federation": {**parent.get("federation", {}), **data.get("federation", {})},
-                "run-config": {**parent.get("run-config", {}), **data.get("run-config", {})}}
+        data = {
+            "description": data.get("description", parent.get("description", "")),
+            "federation": {**parent.get("federation", {}), **data.get("federation", {})},
+            "run-config": {**parent.get("run-config", {}), **data.get("run-config", {})},
+        }
     return data
 
 
@@ -52,17 +54,21 @@ def parse_sets(values: list[str]) -> dict:
 
 def print_table(summary: dict) -> None:
     print(f"\nrun {summary['run']['run_id']}: {summary['run']['status']}")
-    print(f"{'round':>5} {'tau':>6} {'c-tau':>6} {'acc (server eval, heads 1..K)':<32} {'loss':>7} "
-          f"{'smp':>4} {'ok':>3} {'drop':>4} {'rej':>3} {'eps max':>8} {'s':>6} {'bytes/cl':>9}")
+    print(
+        f"{'round':>5} {'tau':>6} {'c-tau':>6} {'acc (server eval, heads 1..K)':<32} {'loss':>7} "
+        f"{'smp':>4} {'ok':>3} {'drop':>4} {'rej':>3} {'eps max':>8} {'s':>6} {'bytes/cl':>9}"
+    )
     for r in summary["rounds"]:
         m, p, pr = r["metrics"], r["participation"], r["privacy"]
         tau = f"{m['tau']:.3f}" if m["tau"] is not None else "-"
         ctau = f"{m['client_tau']:.3f}" if m.get("client_tau") is not None else "-"
         acc = " ".join(f"{a:.3f}" for a in m["head_accuracy"])
         eps = f"{pr['epsilon_max']:.3f}" if pr["epsilon_max"] is not None else "inf"
-        print(f"{r['round']:>5} {tau:>6} {ctau:>6} {acc:<32} {m['train_loss']:>7.3f} {p['sampled']:>4} "
-              f"{p['succeeded']:>3} {p['dropped']:>4} {len(p['rejected']):>3} {eps:>8} {r['wall_seconds']:>6.0f} "
-              f"{r['bytes_per_client']:>9}")
+        print(
+            f"{r['round']:>5} {tau:>6} {ctau:>6} {acc:<32} {m['train_loss']:>7.3f} {p['sampled']:>4} "
+            f"{p['succeeded']:>3} {p['dropped']:>4} {len(p['rejected']):>3} {eps:>8} {r['wall_seconds']:>6.0f} "
+            f"{r['bytes_per_client']:>9}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         from server.superlink import SuperLink
 
         with SuperLink.for_simulation(log_dir=run_dir, cwd=REPO) as link:
-            code, _ = link.submit(REPO, run_config, federation, log_path=run_dir / "flwr.log", timeout=args.timeout,
-                                  echo=False)
+            code, _ = link.submit(
+                REPO, run_config, federation, log_path=run_dir / "flwr.log", timeout=args.timeout, echo=False
+            )
     seconds = time.perf_counter() - started
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
@@ -112,10 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         from server.report import plot_run
 
         plot_run(run_dir)
-    (run_dir / "scenario.json").write_text(json.dumps({"scenario": args.scenario, "federation": federation,
-                                                       "run_config": run_config, "wall_seconds": seconds,
-                                                       "mode": "inprocess" if args.inprocess else "flwr run"},
-                                                      indent=2))
+    (run_dir / "scenario.json").write_text(
+        json.dumps(
+            {
+                "scenario": args.scenario,
+                "federation": federation,
+                "run_config": run_config,
+                "wall_seconds": seconds,
+                "mode": "inprocess" if args.inprocess else "flwr run",
+            },
+            indent=2,
+        )
+    )
     print_table(summary)
     print(f"\nwall time {seconds:.0f}s; summary {summary_file}; plot {run_dir / 'plot.png'}")
     return 0 if code == 0 and summary["run"]["status"] == "finished" else 1
@@ -129,8 +144,11 @@ def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
     from server.federation import run_federation
     from simulations.inprocess import InProcessGrid
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()])
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()],
+    )
     grid = InProcessGrid(client_app, num_nodes, run_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     run_federation(grid, context, FedConfig.from_mapping(run_config))

@@ -49,13 +49,30 @@ def save_tiny(directory: Path, tokenizer, arch: str = "llama", seed: int = 0) ->
     torch.manual_seed(seed)
     common = dict(vocab_size=TINY_VOCAB, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=512, tie_word_embeddings=True, **common))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+                **common,
+            )
+        )
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=512, **common))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                **common,
+            )
+        )
     elif arch == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common))
     else:

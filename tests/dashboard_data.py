@@ -14,32 +14,65 @@ from safetensors.torch import save_file
 from common.protocol import RoundRecord
 from server.store import RunStore
 
-SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, "clipping_range": 8.0,
-          "quantization_range": 4194304, "modulus_range": 4294967296, "timeout": 30.0}
-REJECT_REASONS = ["update has non-finite values", "stale head version (expected 7, got 6)",
-                  "reply missing 'num_examples'"]
+SECAGG = {
+    "num_shares": 3,
+    "reconstruction_threshold": 2,
+    "max_weight": 1000.0,
+    "clipping_range": 8.0,
+    "quantization_range": 4194304,
+    "modulus_range": 4294967296,
+    "timeout": 30.0,
+}
+REJECT_REASONS = [
+    "update has non-finite values",
+    "stale head version (expected 7, got 6)",
+    "reply missing 'num_examples'",
+]
 
 
 def write_checkpoint(directory: Path, seed: int) -> tuple[Path, int, str]:
     """A small heads.safetensors checkpoint directory; returns (dir, size of heads file, its sha256)."""
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    save_file({"heads.0.proj.weight": torch.randn(64, 64, generator=g),
-               "heads.1.proj.weight": torch.randn(64, 64, generator=g)}, str(directory / "heads.safetensors"))
+    save_file(
+        {
+            "heads.0.proj.weight": torch.randn(64, 64, generator=g),
+            "heads.1.proj.weight": torch.randn(64, 64, generator=g),
+        },
+        str(directory / "heads.safetensors"),
+    )
     (directory / "heads_config.json").write_text('{"num_heads": 2, "hidden_size": 64}\n')
     data = (directory / "heads.safetensors").read_bytes()
     return directory, len(data), hashlib.sha256(data).hexdigest()
 
 
-def fill_realistic_run(store: RunStore, run_id: str, *, rounds: int = 20, num_heads: int = 4,
-                       run_dir: Path | None = None, checkpoint_every: int = 5, finish: bool = True,
-                       seed: int = 0) -> None:
+def fill_realistic_run(
+    store: RunStore,
+    run_id: str,
+    *,
+    rounds: int = 20,
+    num_heads: int = 4,
+    run_dir: Path | None = None,
+    checkpoint_every: int = 5,
+    finish: bool = True,
+    seed: int = 0,
+) -> None:
     """Record `rounds` rounds; with `run_dir`, also checkpoints where the server writes them:
     ``<run_dir>/<run_id>/checkpoints/round-<r>`` (server/recorder.py)."""
     rng = random.Random(seed)
-    config = {"num_rounds": rounds, "clients_per_round": 8, "num_clients": 32, "num_heads": num_heads,
-              "local_epochs": 1, "lr": 0.001, "noise_multiplier": 0.9, "max_grad_norm": 1.0, "delta": 1e-5,
-              "chunk_len": 128, "base": "default (stdlib Llama, 6 layers)"}
+    config = {
+        "num_rounds": rounds,
+        "clients_per_round": 8,
+        "num_clients": 32,
+        "num_heads": num_heads,
+        "local_epochs": 1,
+        "lr": 0.001,
+        "noise_multiplier": 0.9,
+        "max_grad_norm": 1.0,
+        "delta": 1e-5,
+        "chunk_len": 128,
+        "base": "default (stdlib Llama, 6 layers)",
+    }
     store.start_run(run_id, config, SECAGG)
     ceilings = [0.62, 0.41, 0.29, 0.21, 0.16, 0.12][:num_heads]
     for r in range(1, rounds + 1):
@@ -53,15 +86,32 @@ def fill_realistic_run(store: RunStore, run_id: str, *, rounds: int = 20, num_he
         succeeded = 8 - dropped - len(rejected)
         eps = 0.42 * math.sqrt(r) + 0.05 * r
         wall = round(rng.uniform(38, 52), 1)
-        store.record_round(run_id, RoundRecord(
-            round=r, train_loss=6.1 * math.exp(-r / 9) + 2.7 + rng.gauss(0, 0.04), head_accuracy=acc, tau=tau,
-            client_head_accuracy=client_acc, client_tau=client_tau,
-            tau_heads_only=tau - 0.1 if r == rounds else None,  # measured on the last round only
-            sampled=8, succeeded=succeeded, dropped=dropped, rejected=tuple(rejected),
-            epsilon_max=eps * 1.08, epsilon_mean=eps, delta=1e-5, wall_seconds=wall,
-            bytes_down_per_client=1_082_368, bytes_up_per_client=1_082_368, eval_push_bytes_per_client=1_082_368,
-            fit_seconds=round(wall * 0.7, 1), server_eval_seconds=round(wall * 0.2, 1),
-            client_eval_seconds=round(wall * 0.1, 1)))
+        store.record_round(
+            run_id,
+            RoundRecord(
+                round=r,
+                train_loss=6.1 * math.exp(-r / 9) + 2.7 + rng.gauss(0, 0.04),
+                head_accuracy=acc,
+                tau=tau,
+                client_head_accuracy=client_acc,
+                client_tau=client_tau,
+                tau_heads_only=tau - 0.1 if r == rounds else None,  # measured on the last round only
+                sampled=8,
+                succeeded=succeeded,
+                dropped=dropped,
+                rejected=tuple(rejected),
+                epsilon_max=eps * 1.08,
+                epsilon_mean=eps,
+                delta=1e-5,
+                wall_seconds=wall,
+                bytes_down_per_client=1_082_368,
+                bytes_up_per_client=1_082_368,
+                eval_push_bytes_per_client=1_082_368,
+                fit_seconds=round(wall * 0.7, 1),
+                server_eval_seconds=round(wall * 0.2, 1),
+                client_eval_seconds=round(wall * 0.1, 1),
+            ),
+        )
         if run_dir is not None and (r % checkpoint_every == 0 or r == rounds):
             directory, size, sha = write_checkpoint(run_dir / run_id / "checkpoints" / f"round-{r}", seed=r)
             store.record_checkpoint(run_id, r, head_version=r, path=str(directory), size_bytes=size, sha256=sha)

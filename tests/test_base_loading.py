@@ -36,8 +36,11 @@ def test_truncated_weights_are_named(broken_copy):
     _one_line_naming(caught, weights)
 
 
-@pytest.mark.parametrize("text", ['{"model_type": "llama", "hidden_size": 64,', '["not", "a", "config"]',
-                                  '{"hidden_size": 64}'], ids=["cut-json", "not-an-object", "no-model-type"])
+@pytest.mark.parametrize(
+    "text",
+    ['{"model_type": "llama", "hidden_size": 64,', '["not", "a", "config"]', '{"hidden_size": 64}'],
+    ids=["cut-json", "not-an-object", "no-model-type"],
+)
 def test_broken_config_is_named(broken_copy, text):
     config = broken_copy / "config.json"
     config.write_text(text)

@@ -41,15 +41,29 @@ def device(tmp_path_factory, tiny_base_dir, tiny_base, one_thread):
         shutil.copy(source, data / source.name)
     state = root / "state"
     state.mkdir()
-    opts = DaemonOptions(superlink="127.0.0.1:9092", data=data, base=tiny_base_dir, device="cpu", budget_eps=3.0,
-                         node_config="chunk-len=32", heads_dir=root / "published")
+    opts = DaemonOptions(
+        superlink="127.0.0.1:9092",
+        data=data,
+        base=tiny_base_dir,
+        device="cpu",
+        budget_eps=3.0,
+        node_config="chunk-len=32",
+        heads_dir=root / "published",
+    )
     values = node_config_values(opts, state, tiny_base_dir)
     write_node_config(state / "node-config.toml", values)
     chunks_before = set((cache_root() / "chunks").glob("*")) if (cache_root() / "chunks").is_dir() else set()
     said: list[str] = []
     ready = prepare(values, said.append)
-    save_ledger(Ledger(state, runs={"deploy-a": PrivacyState("deploy-a", 2.0, HISTORY[:1]),
-                                    "deploy-b": PrivacyState("deploy-b", 2.5, HISTORY[1:])}))
+    save_ledger(
+        Ledger(
+            state,
+            runs={
+                "deploy-a": PrivacyState("deploy-a", 2.0, HISTORY[:1]),
+                "deploy-b": PrivacyState("deploy-b", 2.5, HISTORY[1:]),
+            },
+        )
+    )
     heads = DraftHeads.fresh(tiny_base, 2)
     for run, name in ((7, "deploy-a"), (8, "deploy-b")):
         for server_round in (1, 2):
@@ -57,9 +71,17 @@ def device(tmp_path_factory, tiny_base_dir, tiny_base, one_thread):
             record_event(values, "train-done", run=run, round=server_round, skipped=0, dp=1, epsilon=1.0)
             heads.config.version = server_round
             keep_global_heads(heads, values, run, server_round)
-            record_event(values, "eval", run=run, round=server_round, version=server_round, final=int(server_round == 2))
+            record_event(
+                values, "eval", run=run, round=server_round, version=server_round, final=int(server_round == 2)
+            )
     chunks_after = set((cache_root() / "chunks").glob("*")) if (cache_root() / "chunks").is_dir() else set()
-    return {"state": state, "values": values, "ready": ready, "said": said, "new_shared_chunks": chunks_after - chunks_before}
+    return {
+        "state": state,
+        "values": values,
+        "ready": ready,
+        "said": said,
+        "new_shared_chunks": chunks_after - chunks_before,
+    }
 
 
 def test_readiness_keeps_the_private_text_in_the_state_folder(device):
@@ -79,7 +101,9 @@ def test_status_reads_the_state_folder(device):
     assert privacy["epsilon"] == pytest.approx(epsilon_of(HISTORY, 1e-5))  # both runs compose: lifetime
     assert privacy["remaining"] == pytest.approx(3.0 - privacy["epsilon"])
     assert [(r["name"], r["rounds"], r["trained"], r["finished"]) for r in status["runs"]] == [
-        ("deploy-a", 2, 2, True), ("deploy-b", 2, 2, True)]
+        ("deploy-a", 2, 2, True),
+        ("deploy-b", 2, 2, True),
+    ]
     assert status["last_round"] == {"run": "deploy-b", "round": 2}
     assert (status["heads"]["version"], status["heads"]["run"]) == (2, 8)
     assert status["paths"]["chunks (private text)"] == str(state.resolve() / "chunks")
@@ -106,8 +130,17 @@ def test_status_of_an_untrusted_ledger_fails_closed(tmp_path):
 
 def test_generate_uses_the_daemons_heads(device, tiny_base_dir, monkeypatch, tmp_path):
     state = device["state"]
-    args = ["generate", "--base", str(tiny_base_dir), "--prompt", "import json\n", "--max-new-tokens", "4",
-            "--device", "cpu"]
+    args = [
+        "generate",
+        "--base",
+        str(tiny_base_dir),
+        "--prompt",
+        "import json\n",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]
     runner = CliRunner()
     result = runner.invoke(app, args + ["--state-dir", str(state)])
     assert result.exit_code == 0, result.output
@@ -139,7 +172,10 @@ def test_forget_wipes_private_caches_and_keeps_the_ledger(device):
     assert (state / "chunks").is_dir() and (state / "features").is_dir()  # nothing lost without --yes
     done = CliRunner().invoke(app, ["client", "forget", "--state-dir", str(state), "--yes"])
     assert done.exit_code == 0, done.output
-    assert done.stdout.startswith("forgot chunks/, features/") and "kept privacy-ledger.json, trained-once, heads" in done.stdout
+    assert (
+        done.stdout.startswith("forgot chunks/, features/")
+        and "kept privacy-ledger.json, trained-once, heads" in done.stdout
+    )
     assert not (state / "chunks").exists() and not (state / "features").exists()
     assert {name: digest(state / name) for name in kept} == kept
     assert digest(state / "heads" / "latest" / "heads.safetensors") == heads

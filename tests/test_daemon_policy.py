@@ -116,8 +116,16 @@ def test_the_last_round_says_the_run_finished(tmp_path):
     rows = [
         {"event": "heads", "run": 9, "round": 2, "version": 1, "sha256": "ab" * 32},
         {"event": "train-start", "run": 9, "fedla_run": "deploy-x", "round": 2, "version": 1},
-        {"event": "train-done", "run": 9, "round": 2, "skipped": 0, "dp": 1, "epsilon": 1.0, "delta": 1e-5,
-         "num_train_chunks": 3},
+        {
+            "event": "train-done",
+            "run": 9,
+            "round": 2,
+            "skipped": 0,
+            "dp": 1,
+            "epsilon": 1.0,
+            "delta": 1e-5,
+            "num_train_chunks": 3,
+        },
         {"event": "heads", "run": 9, "round": 2, "version": 2, "sha256": "cd" * 32},
         {"event": "eval", "run": 9, "round": 2, "version": 2, "final": 1, "head_accuracy": [0.5]},
     ]

@@ -47,8 +47,10 @@ def client(filled) -> TestClient:
 
 def test_api_runs_run_and_rounds(client, filled):
     runs = client.get("/api/runs").json()
-    assert {r["run_id"]: (r["status"], r["num_rounds"]) for r in runs} == {"run-20": ("finished", 20),
-                                                                          "run-new": ("running", 0)}
+    assert {r["run_id"]: (r["status"], r["num_rounds"]) for r in runs} == {
+        "run-20": ("finished", 20),
+        "run-new": ("running", 0),
+    }
     run = client.get("/api/runs/run-20").json()
     assert run["secagg"] == SECAGG and run["config"]["num_rounds"] == 20 and run["num_rounds"] == 20
     assert run["latest_checkpoint"]["round"] == 20 and run["latest_checkpoint"]["head_version"] == 20
@@ -70,8 +72,15 @@ def test_openapi_documents_the_api(client):
     ok = spec["paths"]["/api/runs/{run_id}/rounds"]["get"]["responses"]["200"]["content"]["application/json"]
     assert ok["schema"]["items"]["$ref"].endswith("/RoundOut")
     assert "404" in spec["paths"]["/api/runs/{run_id}"]["get"]["responses"]
-    assert {"RunOut", "RunSummaryOut", "RoundOut", "MetricsOut", "ParticipationOut", "PrivacyOut",
-            "CheckpointOut"} <= set(spec["components"]["schemas"])
+    assert {
+        "RunOut",
+        "RunSummaryOut",
+        "RoundOut",
+        "MetricsOut",
+        "ParticipationOut",
+        "PrivacyOut",
+        "CheckpointOut",
+    } <= set(spec["components"]["schemas"])
     assert all(set(methods) == {"get"} for methods in spec["paths"].values())
 
 
@@ -136,8 +145,14 @@ def test_checkpoint_download(client, filled, tmp_path):
     # A checkpoint recorded as a single file is streamed as is.
     single = tmp_path / "run-20" / "checkpoints" / "single" / "heads.safetensors"
     write_checkpoint(single.parent, seed=1)
-    filled.record_checkpoint("run-20", 21, head_version=21, path=str(single), size_bytes=single.stat().st_size,
-                             sha256=hashlib.sha256(single.read_bytes()).hexdigest())
+    filled.record_checkpoint(
+        "run-20",
+        21,
+        head_version=21,
+        path=str(single),
+        size_bytes=single.stat().st_size,
+        sha256=hashlib.sha256(single.read_bytes()).hexdigest(),
+    )
     response = client.get("/runs/run-20/checkpoint")
     assert response.content == single.read_bytes()
 
@@ -147,12 +162,14 @@ def test_checkpoint_download(client, filled, tmp_path):
     link_dir = tmp_path / "run-20" / "checkpoints" / "evil"
     link_dir.mkdir()
     os.symlink(secret, link_dir / "heads.safetensors")
-    filled.record_checkpoint("run-20", 22, head_version=22, path=str(link_dir / "heads.safetensors"),
-                             size_bytes=1, sha256="0" * 64)
+    filled.record_checkpoint(
+        "run-20", 22, head_version=22, path=str(link_dir / "heads.safetensors"), size_bytes=1, sha256="0" * 64
+    )
     response = client.get("/runs/run-20/checkpoint")
     assert response.status_code == 404 and "not a checkpoint" not in response.text
-    filled.record_checkpoint("run-20", 23, head_version=23, path=str(tmp_path / "run-20" / "gone"), size_bytes=1,
-                             sha256="0" * 64)
+    filled.record_checkpoint(
+        "run-20", 23, head_version=23, path=str(tmp_path / "run-20" / "gone"), size_bytes=1, sha256="0" * 64
+    )
     assert "no longer on disk" in client.get("/runs/run-20/checkpoint").text
 
     # Inside a zipped directory, symlinks leading outside it are left out.
@@ -161,9 +178,18 @@ def test_checkpoint_download(client, filled, tmp_path):
     assert "leak.txt" not in names and "heads.safetensors" in names
 
 
-@pytest.mark.parametrize("path", ["/etc/passwd", "{tmp}/fedla.db", "{tmp}/run-new/checkpoints/round-1",
-                                  "{tmp}/run-20", "{tmp}/run-20/../run-new/x", "{tmp}/run-20x/checkpoints/round-1",
-                                  "run-20/checkpoints/round-20"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/etc/passwd",
+        "{tmp}/fedla.db",
+        "{tmp}/run-new/checkpoints/round-1",
+        "{tmp}/run-20",
+        "{tmp}/run-20/../run-new/x",
+        "{tmp}/run-20x/checkpoints/round-1",
+        "run-20/checkpoints/round-20",
+    ],
+)
 def test_checkpoint_outside_the_run_folder_is_refused(client, filled, tmp_path, path, monkeypatch):
     """A database row naming any file outside <run-dir>/<run-id>/ is never served, whatever it names."""
     monkeypatch.chdir("/")  # a relative row resolves against the dashboard's working directory, not the run folder
@@ -190,8 +216,15 @@ def test_checkpoint_of_a_store_kept_elsewhere_needs_the_run_dir(tmp_path):
 
 def test_token_guards_every_request(filled):
     client = TestClient(create_app(filled, token=TOKEN))
-    for path in ("/", "/runs/run-20", "/api/runs", "/api/runs/run-20/rounds", "/openapi.json",
-                 "/static/dashboard.js", "/runs/run-20/checkpoint"):
+    for path in (
+        "/",
+        "/runs/run-20",
+        "/api/runs",
+        "/api/runs/run-20/rounds",
+        "/openapi.json",
+        "/static/dashboard.js",
+        "/runs/run-20/checkpoint",
+    ):
         assert client.get(path).status_code == 401, path
         assert client.get(path, headers={"Authorization": "Bearer wrong-token-000000000"}).status_code == 401
         assert client.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200, path
@@ -203,10 +236,19 @@ def test_token_guards_every_request(filled):
     assert f'href="/?token={TOKEN}"' in page
 
 
-@pytest.mark.parametrize("host,token,ok", [
-    ("127.0.0.1", None, True), ("localhost", None, True), ("::1", None, True), ("127.0.0.2", None, True),
-    ("0.0.0.0", None, False), ("192.168.1.5", None, False), ("0.0.0.0", "short", False), ("0.0.0.0", TOKEN, True),
-])
+@pytest.mark.parametrize(
+    "host,token,ok",
+    [
+        ("127.0.0.1", None, True),
+        ("localhost", None, True),
+        ("::1", None, True),
+        ("127.0.0.2", None, True),
+        ("0.0.0.0", None, False),
+        ("192.168.1.5", None, False),
+        ("0.0.0.0", "short", False),
+        ("0.0.0.0", TOKEN, True),
+    ],
+)
 def test_binding_beyond_loopback_requires_token(host, token, ok):
     if ok:
         check_bind(host, token)
@@ -228,17 +270,35 @@ def test_cli_refuses_public_bind_without_token(monkeypatch):
 
 
 def test_access_log_redacts_token():
-    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
-                               ("127.0.0.1:5", "GET", f"/runs/x?token={TOKEN}&a=1", "1.1", 200), None)
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        "",
+        0,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", f"/runs/x?token={TOKEN}&a=1", "1.1", 200),
+        None,
+    )
     _RedactToken().filter(record)
     assert TOKEN not in record.getMessage() and "token=***&a=1" in record.getMessage()
 
 
 def test_unbounded_epsilon_is_null(store):
     store.start_run("nodp", {}, {})
-    store.record_round("nodp", RoundRecord(round=1, train_loss=3.0, head_accuracy=[0.1], sampled=2, succeeded=2,
-                                           epsilon_max=math.inf, epsilon_mean=math.inf, wall_seconds=1.0,
-                                           bytes_down_per_client=10))
+    store.record_round(
+        "nodp",
+        RoundRecord(
+            round=1,
+            train_loss=3.0,
+            head_accuracy=[0.1],
+            sampled=2,
+            succeeded=2,
+            epsilon_max=math.inf,
+            epsilon_mean=math.inf,
+            wall_seconds=1.0,
+            bytes_down_per_client=10,
+        ),
+    )
     client = TestClient(create_app(store))
     assert client.get("/api/runs/nodp/rounds").json()[0]["privacy"]["epsilon_max"] is None
     assert client.get("/runs/nodp").status_code == 200

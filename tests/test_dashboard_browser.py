@@ -11,8 +11,11 @@ import pytest
 from server.dashboard.screenshot import chromium_page, find_chromium, run_page_url, serve_in_thread
 
 if find_chromium() is None:
-    pytest.skip("no Chromium at /usr/bin/chromium (CI installs Debian's `chromium`); set $FEDLA_CHROMIUM to run "
-                "the browser test", allow_module_level=True)
+    pytest.skip(
+        "no Chromium at /usr/bin/chromium (CI installs Debian's `chromium`); set $FEDLA_CHROMIUM to run "
+        "the browser test",
+        allow_module_level=True,
+    )
 pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
 
 from dashboard_data import fill_realistic_run  # noqa: E402
@@ -58,10 +61,24 @@ def test_run_page_in_chromium(tmp_path):
         assert "reconstruction_threshold" in page.locator("#secagg").inner_text()
 
         # Live update: the server records a round and a checkpoint; the page picks them up by polling.
-        store.record_round("live-run", RoundRecord(
-            round=ROUNDS + 1, train_loss=3.2, head_accuracy=[0.6, 0.4, 0.3, 0.2], tau=1.9, sampled=8, succeeded=7,
-            dropped=1, epsilon_max=2.9, epsilon_mean=2.7, delta=1e-5, wall_seconds=40.0,
-            bytes_down_per_client=1_082_368, bytes_up_per_client=1_082_368))
+        store.record_round(
+            "live-run",
+            RoundRecord(
+                round=ROUNDS + 1,
+                train_loss=3.2,
+                head_accuracy=[0.6, 0.4, 0.3, 0.2],
+                tau=1.9,
+                sampled=8,
+                succeeded=7,
+                dropped=1,
+                epsilon_max=2.9,
+                epsilon_mean=2.7,
+                delta=1e-5,
+                wall_seconds=40.0,
+                bytes_down_per_client=1_082_368,
+                bytes_up_per_client=1_082_368,
+            ),
+        )
         store.finish_run("live-run", "finished")
         page.wait_for_selector(f'body[data-rounds="{ROUNDS + 1}"]', timeout=10_000)
         for canvas in CANVASES:

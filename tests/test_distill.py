@@ -42,7 +42,8 @@ def test_continuations_reject_bad_prompts(tiny_base):
 def test_fit_heads_mixes_in_distilled_chunks(tiny_base, fp32_extractor, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLA_HOME", str(tmp_path))
     chunks = chunk_files(stdlib_files("train")[:4], tiny_base.tokenizer, 16)[:24]
-    heads, report = fit_heads(tiny_base, chunks, chunks[:8], num_heads=2, draft_vocab_size=64, distill_chunks=10,
-                              show_progress=False)
+    heads, report = fit_heads(
+        tiny_base, chunks, chunks[:8], num_heads=2, draft_vocab_size=64, distill_chunks=10, show_progress=False
+    )
     assert report["train_chunks"] == 34 and report["distill_chunks"] == 10
     assert len(report["heldout"]["head_accuracy"]) == 2

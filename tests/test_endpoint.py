@@ -259,8 +259,10 @@ def test_queue_over_its_limit_is_answered_503(base_dir, heads_dir):
 def test_missing_base_is_a_clear_503_until_it_appears(base_dir, tmp_path):
     missing = tmp_path / "no-base-here"
     with serving(missing, None) as (_server, http):
-        for path, body in (("/v1/completions", {"prompt": "x"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
             response = http.post(path, json=body)
             assert response.status_code == 503
             error = response.json()["error"]
@@ -300,8 +302,11 @@ def test_only_loopback_hosts_are_served(base_dir, tmp_path):
         ("/v1/chat/completions", {"messages": []}, "messages: List should have at least 1 item"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "every message is empty"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "only text content parts are supported"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "only text content parts are supported",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_400(client, path, body, fragment):

@@ -17,23 +17,44 @@ from server.superlink import SuperLink
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None,
-                                reason="flower-superlink is not installed in this environment")
+pytestmark = pytest.mark.skipif(
+    shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None,
+    reason="flower-superlink is not installed in this environment",
+)
 
 
 def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "fedla-home"))  # chunk caches stay in the test's folder
     run_config = {
-        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"),
-        "num-server-rounds": 2, "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4,
-        "min-train-clients": 3, "min-available-clients": 3, "node-wait-seconds": 60.0,
-        "server-eval-chunks": 8, "eval-prompts": 1, "eval-max-new-tokens": 4, "client-eval-prompts": 1,
-        "run-dir": str(tmp_path / "runs"), "run-id": "flwr-e2e", "secagg": True, "dp": True,
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 2,
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "min-train-clients": 3,
+        "min-available-clients": 3,
+        "node-wait-seconds": 60.0,
+        "server-eval-chunks": 8,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 4,
+        "client-eval-prompts": 1,
+        "run-dir": str(tmp_path / "runs"),
+        "run-id": "flwr-e2e",
+        "secagg": True,
+        "dp": True,
     }
     link = SuperLink.for_simulation(flwr_home=tmp_path / "flwr-home", log_dir=tmp_path, cwd=REPO)
     with link:
-        code, _ = link.submit(REPO, run_config, {"num-supernodes": 3, "client-resources-num-cpus": 1}, timeout=600,
-                              log_path=tmp_path / "flwr-run.log", echo=False)
+        code, _ = link.submit(
+            REPO,
+            run_config,
+            {"num-supernodes": 3, "client-resources-num-cpus": 1},
+            timeout=600,
+            log_path=tmp_path / "flwr-run.log",
+            echo=False,
+        )
         port, started = link.port, link.pids()
     log = (tmp_path / "flwr-run.log").read_text()
     assert code == 0, log[-3000:]

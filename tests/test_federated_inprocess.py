@@ -33,10 +33,21 @@ from simulations.inprocess import InProcessGrid  # noqa: E402
 @pytest.fixture
 def run_config(tiny_base_dir, tmp_path):
     return {
-        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"),
-        "num-server-rounds": 1, "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4,
-        "lr": 0.01, "min-train-clients": 3, "min-available-clients": 3, "node-wait-seconds": 0.0,
-        "server-eval-chunks": 8, "eval-prompts": 1, "eval-max-new-tokens": 0, "fraction-evaluate": 0.5,
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 1,
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "lr": 0.01,
+        "min-train-clients": 3,
+        "min-available-clients": 3,
+        "node-wait-seconds": 0.0,
+        "server-eval-chunks": 8,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 0,
+        "fraction-evaluate": 0.5,
         "run-dir": str(tmp_path / "runs"),
     }
 
@@ -50,7 +61,9 @@ def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=No
         if corrupt_masked and reply.has_content() and RECORD_KEY_CONFIGS in reply.content.config_records:
             record = reply.content.config_records[RECORD_KEY_CONFIGS]
             if SecAggKey.MASKED_PARAMETERS in record:
-                record[SecAggKey.MASKED_PARAMETERS] = corrupt_masked(context.node_id, list(record[SecAggKey.MASKED_PARAMETERS]))
+                record[SecAggKey.MASKED_PARAMETERS] = corrupt_masked(
+                    context.node_id, list(record[SecAggKey.MASKED_PARAMETERS])
+                )
         return reply
 
     app = ClientApp()
@@ -198,13 +211,19 @@ def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_co
         elif node_id == 1002:
             metrics["num-examples"] = [3]
 
-    run_dir, summary, _ = run(dict(run_config, secagg=False), recording_app(sent, corrupt, corrupt_eval=corrupt_eval),
-                              nodes=5)
+    run_dir, summary, _ = run(
+        dict(run_config, secagg=False), recording_app(sent, corrupt, corrupt_eval=corrupt_eval), nodes=5
+    )
     assert summary["run"]["status"] == "finished"
     record = round_record(run_dir)
-    reasons = ["non-finite num_examples=nan", "loss must be a number, got str 'abc'",
-               "epsilon must be a number, got str 'x'"]
-    assert sorted((r["node"], r["reason"]) for r in record["participation"]["rejected"]) == list(zip([1000, 1001, 1002], reasons))
+    reasons = [
+        "non-finite num_examples=nan",
+        "loss must be a number, got str 'abc'",
+        "epsilon must be a number, got str 'x'",
+    ]
+    assert sorted((r["node"], r["reason"]) for r in record["participation"]["rejected"]) == list(
+        zip([1000, 1001, 1002], reasons)
+    )
     assert sorted(r["reason"] for r in summary["rounds"][0]["participation"]["rejected"]) == sorted(reasons)
     assert record["aggregated"] and record["participation"]["succeeded"] == 2
     cap = 12  # max-chunks-per-client: the most an honest client can claim
@@ -215,8 +234,10 @@ def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_co
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     client_eval = record["client_eval"]
     assert client_eval["evaluated"] == 2 and sorted(client_eval["rejected"]) == [
-        "head-accuracy must be a list of numbers, got float 0.5", "num-examples must be an integer, got list [3]",
-        "tau must be a number, got list [1.0, 2.0]"]
+        "head-accuracy must be a list of numbers, got float 0.5",
+        "num-examples must be an integer, got list [3]",
+        "tau must be a number, got list [1.0, 2.0]",
+    ]
 
 
 def test_secagg_rejects_a_plaintext_weight_above_max_weight(run_config, tiny_base):
@@ -229,8 +250,9 @@ def test_secagg_rejects_a_plaintext_weight_above_max_weight(run_config, tiny_bas
 
     run_dir, _, _ = run(run_config, recording_app(sent, corrupt))
     record = round_record(run_dir)
-    assert record["participation"]["rejected"] == [{"node": 1000, "reason": "weight 1000000000000 above "
-                                                                             "secagg-max-weight 1000"}]
+    assert record["participation"]["rejected"] == [
+        {"node": 1000, "reason": "weight 1000000000000 above secagg-max-weight 1000"}
+    ]
     assert record["aggregated"], record["aggregate_note"]
     honest = [v for node, v in sent.items() if node != 1000]
     tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
@@ -263,8 +285,16 @@ def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_confi
 
 
 def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tmp_path):
-    config = dict(run_config, **{"num-server-rounds": 2, "dp-planned-rounds": 2, "run-id": "resumable",
-                                 "fraction-evaluate": 0.0, "client-state-dir": str(tmp_path / "client-state")})
+    config = dict(
+        run_config,
+        **{
+            "num-server-rounds": 2,
+            "dp-planned-rounds": 2,
+            "run-id": "resumable",
+            "fraction-evaluate": 0.0,
+            "client-state-dir": str(tmp_path / "client-state"),
+        },
+    )
     first_dir, first, _ = run(dict(config, **{"num-server-rounds": 1}), recording_app({}))
     assert [r["round"] for r in first["rounds"]] == [1]
     # a new federation (fresh contexts: only the clients' state folders remember their accountants)

@@ -145,9 +145,14 @@ def test_per_sample_clipping_bound(tiny_base):
     engine = PrivacyEngine(accountant="rdp")
     clip = 0.05
     features = compute_features(tiny_base, chunks, progress=False)
-    module, dp_optimizer, _ = engine.make_private(module=heads, optimizer=optimizer,
-                                                   data_loader=feature_loader(features, 4, False),
-                                                   noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=True)
+    module, dp_optimizer, _ = engine.make_private(
+        module=heads,
+        optimizer=optimizer,
+        data_loader=feature_loader(features, 4, False),
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        poisson_sampling=True,
+    )
     heads_loss(module, features.hidden, features.tokens, features.greedy).backward()
     params = [p for p in heads.parameters() if p.requires_grad]
     per_sample = torch.cat([p.grad_sample.reshape(len(chunks), -1) for p in params], dim=1)
@@ -164,11 +169,24 @@ def test_per_sample_clipping_bound(tiny_base):
 
 
 def _client_context(tiny_base_dir, **overrides) -> Context:
-    run_config = {"base-model-dir": str(tiny_base_dir), "chunk-len": 32, "max-chunks-per-client": 12,
-                  "num-heads": 2, "batch-size": 4, "num-server-rounds": 2, "dp-target-epsilon": 8.0,
-                  "data-source": str(stdlib_dir() / "json"), **overrides}
-    return Context(run_id=7, node_id=3, node_config={"partition-id": 0, "num-partitions": 1},
-                   state=RecordDict(), run_config=run_config)
+    run_config = {
+        "base-model-dir": str(tiny_base_dir),
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "num-server-rounds": 2,
+        "dp-target-epsilon": 8.0,
+        "data-source": str(stdlib_dir() / "json"),
+        **overrides,
+    }
+    return Context(
+        run_id=7,
+        node_id=3,
+        node_config={"partition-id": 0, "num-partitions": 1},
+        state=RecordDict(),
+        run_config=run_config,
+    )
 
 
 def test_client_past_its_budget_does_not_train(tiny_base, tiny_base_dir):

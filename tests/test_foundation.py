@@ -80,7 +80,8 @@ def test_head_shapes_and_parameter_count(tiny_base, arch):
     logits = heads(torch.randn(2, 5, d), torch.randint(0, TINY_VOCAB, (2, 5)))
     assert len(logits) == 3 and all(x.shape == (2, 4, TINY_VOCAB // 4) for x in logits)
     assert set(heads.state_dict()) == {
-        "fusion.proj.weight", "fusion.proj.bias",
+        "fusion.proj.weight",
+        "fusion.proj.bias",
         *(f"blocks.{k}.linear.{p}" for k in range(3) for p in ("weight", "bias")),
     }
 
@@ -92,7 +93,9 @@ def test_fresh_heads_start_from_the_base_next_token_distribution(tiny_base):
     hidden = tiny_base.features(torch.tensor([[5, 6, 7, 8]]))
     expected = tiny_base.model.get_output_embeddings()(hidden)[:, :-1][..., vocab]
     for arch in ("recurrent", "parallel"):
-        logits = DraftHeads.fresh(tiny_base, num_heads=2, arch=arch, draft_vocab=vocab)(hidden, torch.tensor([[1, 2, 3, 4]]))
+        logits = DraftHeads.fresh(tiny_base, num_heads=2, arch=arch, draft_vocab=vocab)(
+            hidden, torch.tensor([[1, 2, 3, 4]])
+        )
         torch.testing.assert_close(logits[0], expected)
     torch.testing.assert_close(logits[1], expected)
 
@@ -209,9 +212,29 @@ def test_train_heads_command(tmp_path, tiny_base_dir):
     out = tmp_path / "heads"
     result = CliRunner().invoke(
         app,
-        ["train-heads", "--data", str(data), "--eval-data", str(data), "--out", str(out), "--base", str(tiny_base_dir),
-         "--num-heads", "2", "--chunk-len", "32", "--max-chunks", "64", "--device", "cpu", "--draft-vocab", "128",
-         "--distill-chunks", "4"],
+        [
+            "train-heads",
+            "--data",
+            str(data),
+            "--eval-data",
+            str(data),
+            "--out",
+            str(out),
+            "--base",
+            str(tiny_base_dir),
+            "--num-heads",
+            "2",
+            "--chunk-len",
+            "32",
+            "--max-chunks",
+            "64",
+            "--device",
+            "cpu",
+            "--draft-vocab",
+            "128",
+            "--distill-chunks",
+            "4",
+        ],
         env={"FEDLA_HOME": str(tmp_path / "home")},
     )
     assert result.exit_code == 0, result.output
@@ -233,8 +256,20 @@ def test_outputs_are_checked_before_the_work(tmp_path, tiny_base_dir):
 
 
 def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):
-    result = CliRunner().invoke(app, ["train-heads", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "h"),
-                                      "--base", str(tiny_base_dir), "--device", "cpu"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train-heads",
+            "--data",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "h"),
+            "--base",
+            str(tiny_base_dir),
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "data directory not found" in result.output
     for command in (["generate", "--prompt", "x"], ["bench-decode"]):

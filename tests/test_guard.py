@@ -38,9 +38,22 @@ FIRST = 1000  # InProcessGrid's first node id
 
 def train_metrics(**changes: Any) -> dict[str, Any]:
     """What an honest client reports after training (client/client_app.py)."""
-    metrics = {"skipped": 0, "skip-reason": "", "epsilon": 1.5, "delta": 1e-5, "dp": 1, "q": 0.25,
-               "no-amplification": 0, "noise-multiplier": 1.1, "steps": 8, "num-train-chunks": 10,
-               "train-seconds": 0.5, "loss": 2.5, "acc-1": 0.4, "acc-2": 0.2}
+    metrics = {
+        "skipped": 0,
+        "skip-reason": "",
+        "epsilon": 1.5,
+        "delta": 1e-5,
+        "dp": 1,
+        "q": 0.25,
+        "no-amplification": 0,
+        "noise-multiplier": 1.1,
+        "steps": 8,
+        "num-train-chunks": 10,
+        "train-seconds": 0.5,
+        "loss": 2.5,
+        "acc-1": 0.4,
+        "acc-2": 0.2,
+    }
     metrics.update(changes)
     return metrics
 
@@ -49,14 +62,21 @@ def update(value: float) -> list[np.ndarray]:
     return [np.full(shape, value, dtype=np.float32) for _, shape in SHAPES]
 
 
-def fit_reply(num_examples: Any = 10, metrics: dict | None = None, arrays: list[np.ndarray] | None = None) -> RecordDict:
-    res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update(0.0) if arrays is None else arrays),
-                 num_examples, train_metrics() if metrics is None else metrics)
+def fit_reply(
+    num_examples: Any = 10, metrics: dict | None = None, arrays: list[np.ndarray] | None = None
+) -> RecordDict:
+    res = FitRes(
+        Status(Code.OK, ""),
+        ndarrays_to_parameters(update(0.0) if arrays is None else arrays),
+        num_examples,
+        train_metrics() if metrics is None else metrics,
+    )
     return compat.fitres_to_recorddict(res, keep_input=False)
 
 
 def grid_of(replies: list[RecordDict]) -> InProcessGrid:
     """An in-process grid whose node FIRST + i answers every message with replies[i]."""
+
     def app_for(node: int) -> Callable[[Message, Any], Message]:
         return lambda msg, _context: Message(replies[node - FIRST], reply_to=msg)
 
@@ -67,11 +87,13 @@ def plain_config(**changes: Any) -> FedConfig:
     return FedConfig.from_mapping({"secagg": False, "max-chunks-per-client": 12, **changes})
 
 
-def guard_round(replies: list[RecordDict], config: FedConfig | None = None,
-                stage: str | None = None) -> tuple[GuardedGrid, list[Message]]:
+def guard_round(
+    replies: list[RecordDict], config: FedConfig | None = None, stage: str | None = None
+) -> tuple[GuardedGrid, list[Message]]:
     """One train exchange through the real guard: returns it and the replies the workflow would see."""
-    guard = GuardedGrid(grid_of(replies), config or plain_config(), ExchangeLog(), SHAPES, NUM_HEADS,
-                        default_timeout=None)
+    guard = GuardedGrid(
+        grid_of(replies), config or plain_config(), ExchangeLog(), SHAPES, NUM_HEADS, default_timeout=None
+    )
     nodes = sorted(guard.get_node_ids())
     guard.exchange.sampled = nodes
     content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(update(0.0)), {}), keep_input=True)
@@ -83,8 +105,11 @@ def guard_round(replies: list[RecordDict], config: FedConfig | None = None,
 
 def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | None = None):
     """What default_fit_workflow hands the strategy: the replies without an error, as FitRes."""
-    results = [(SimpleNamespace(node_id=r.metadata.src_node_id), compat.recorddict_to_fitres(r.content, keep_input=True))
-               for r in replies if not r.has_error()]
+    results = [
+        (SimpleNamespace(node_id=r.metadata.src_node_id), compat.recorddict_to_fitres(r.content, keep_input=True))
+        for r in replies
+        if not r.has_error()
+    ]
     strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {}, random.Random(0))
     parameters, _ = strategy.aggregate_fit(1, results, [])
     return None if parameters is None else parameters_to_ndarrays(parameters)
@@ -93,21 +118,24 @@ def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | No
 # ------------------------------------------------------------------------------------------ train
 
 
-@pytest.mark.parametrize("num_examples,metrics,reason", [
-    (math.nan, None, "non-finite num_examples=nan"),
-    (math.inf, None, "non-finite num_examples=inf"),
-    (-math.inf, None, "non-finite num_examples=-inf"),
-    (-3, None, "out-of-range num_examples=-3: below 0"),
-    (2.5, None, "num_examples must be an integer, got 2.5"),
-    (10, train_metrics(loss="abc"), "loss must be a number, got str 'abc'"),
-    (10, train_metrics(epsilon="x"), "epsilon must be a number, got str 'x'"),
-    (10, train_metrics(loss=math.nan), "non-finite loss=nan"),
-    (10, train_metrics(**{"acc-1": 1.5}), "out-of-range acc-1=1.5: above 1"),
-    (10, train_metrics(**{"acc-3": 0.1}), "unknown metric acc-3 for 2 heads"),
-    (10, train_metrics(steps=[1, 2]), "steps must be an integer, got list [1, 2]"),
-    (10, train_metrics(skipped=1), "a skipped client claims weight 10"),
-    (0, train_metrics(), "weight 0 without skipped=1"),
-])
+@pytest.mark.parametrize(
+    "num_examples,metrics,reason",
+    [
+        (math.nan, None, "non-finite num_examples=nan"),
+        (math.inf, None, "non-finite num_examples=inf"),
+        (-math.inf, None, "non-finite num_examples=-inf"),
+        (-3, None, "out-of-range num_examples=-3: below 0"),
+        (2.5, None, "num_examples must be an integer, got 2.5"),
+        (10, train_metrics(loss="abc"), "loss must be a number, got str 'abc'"),
+        (10, train_metrics(epsilon="x"), "epsilon must be a number, got str 'x'"),
+        (10, train_metrics(loss=math.nan), "non-finite loss=nan"),
+        (10, train_metrics(**{"acc-1": 1.5}), "out-of-range acc-1=1.5: above 1"),
+        (10, train_metrics(**{"acc-3": 0.1}), "unknown metric acc-3 for 2 heads"),
+        (10, train_metrics(steps=[1, 2]), "steps must be an integer, got list [1, 2]"),
+        (10, train_metrics(skipped=1), "a skipped client claims weight 10"),
+        (0, train_metrics(), "weight 0 without skipped=1"),
+    ],
+)
 def test_a_bad_train_reply_is_rejected_with_its_reason_and_the_round_goes_on(num_examples, metrics, reason, caplog):
     guard, replies = guard_round([fit_reply(num_examples, metrics, update(5.0)), fit_reply(10, arrays=update(1.0))])
     assert replies[0].has_error() and replies[0].error.code == REJECTED_CODE
@@ -171,20 +199,24 @@ def eval_reply(**metrics: Any) -> RecordDict:
 
 def evaluate(replies: list[RecordDict], heads: DraftHeads, config: FedConfig | None = None) -> dict:
     nodes = [FIRST + i for i in range(len(replies))]
-    return client_evaluation(grid_of(replies), heads, config or plain_config(**{"fraction-evaluate": 1.0}), 1,
-                             nodes, random.Random(0))
+    return client_evaluation(
+        grid_of(replies), heads, config or plain_config(**{"fraction-evaluate": 1.0}), 1, nodes, random.Random(0)
+    )
 
 
-@pytest.mark.parametrize("metrics,reason", [
-    ({"head-accuracy": 0.5}, "head-accuracy must be a list of numbers, got float 0.5"),
-    ({"tau": [1.0, 2.0]}, "tau must be a number, got list [1.0, 2.0]"),
-    ({"num-examples": [3]}, "num-examples must be an integer, got list [3]"),
-    ({"num-examples": math.nan}, "non-finite num-examples=nan"),
-    ({"num-examples": None}, "evaluation reply has no num-examples"),
-    ({"head-accuracy": [0.5]}, "1 head accuracies for 2 heads"),
-    ({"head-accuracy": [0.5, 1.5]}, "out-of-range head-accuracy[1]=1.5: above 1"),
-    ({"head-accuracy": None}, "4 evaluation examples but no head-accuracy"),
-])
+@pytest.mark.parametrize(
+    "metrics,reason",
+    [
+        ({"head-accuracy": 0.5}, "head-accuracy must be a list of numbers, got float 0.5"),
+        ({"tau": [1.0, 2.0]}, "tau must be a number, got list [1.0, 2.0]"),
+        ({"num-examples": [3]}, "num-examples must be an integer, got list [3]"),
+        ({"num-examples": math.nan}, "non-finite num-examples=nan"),
+        ({"num-examples": None}, "evaluation reply has no num-examples"),
+        ({"head-accuracy": [0.5]}, "1 head accuracies for 2 heads"),
+        ({"head-accuracy": [0.5, 1.5]}, "out-of-range head-accuracy[1]=1.5: above 1"),
+        ({"head-accuracy": None}, "4 evaluation examples but no head-accuracy"),
+    ],
+)
 def test_a_bad_evaluation_reply_is_rejected_and_the_rest_averaged(heads, metrics, reason):
     result = evaluate([eval_reply(**metrics), eval_reply(**{"head-accuracy": [0.75, 0.5], "tau": 2.0})], heads)
     assert result["rejected"] == [reason] and result["evaluated"] == 1
@@ -192,39 +224,64 @@ def test_a_bad_evaluation_reply_is_rejected_and_the_rest_averaged(heads, metrics
 
 
 def test_evaluation_weights_are_capped_like_training_weights(heads):
-    result = evaluate([eval_reply(**{"num-examples": 10**12, "head-accuracy": [1.0, 1.0]}),
-                       eval_reply(**{"num-examples": 12, "head-accuracy": [0.0, 0.0]})], heads)
+    result = evaluate(
+        [
+            eval_reply(**{"num-examples": 10**12, "head-accuracy": [1.0, 1.0]}),
+            eval_reply(**{"num-examples": 12, "head-accuracy": [0.0, 0.0]}),
+        ],
+        heads,
+    )
     assert result["head_accuracy"] == [0.5, 0.5]
 
 
 # -------------------------------------------------------------------------------------------- fuzz
 
-SCALARS = st.one_of(st.integers(-2**63, 2**63 - 1), st.floats(), st.text(max_size=6), st.binary(max_size=4),
-                    st.booleans())
-RECORD_VALUES = st.one_of(SCALARS, st.lists(st.integers(-2**63, 2**63 - 1), max_size=3), st.lists(st.floats(), max_size=3),
-                          st.lists(st.text(max_size=3), max_size=2), st.lists(st.booleans(), max_size=2))
-METRIC_VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.floats(), st.lists(st.integers(-2**63, 2**63 - 1), max_size=3),
-                          st.lists(st.floats(), max_size=3))
+SCALARS = st.one_of(
+    st.integers(-(2**63), 2**63 - 1), st.floats(), st.text(max_size=6), st.binary(max_size=4), st.booleans()
+)
+RECORD_VALUES = st.one_of(
+    SCALARS,
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+    st.lists(st.floats(), max_size=3),
+    st.lists(st.text(max_size=3), max_size=2),
+    st.lists(st.booleans(), max_size=2),
+)
+METRIC_VALUES = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+    st.lists(st.floats(), max_size=3),
+)
 TRAIN_KEYS = st.sampled_from(sorted(train_metrics()) + ["acc-0", "acc-3", "acc-x", "acc-01", "other"])
-ANY_VALUES = st.recursive(st.one_of(st.none(), SCALARS), lambda inner: st.lists(inner, max_size=3)
-                          | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=6)
+ANY_VALUES = st.recursive(
+    st.one_of(st.none(), SCALARS),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def fuzzed_metrics(keys: st.SearchStrategy, values: st.SearchStrategy, base: dict) -> st.SearchStrategy:
     """An honest reply's metrics with some values replaced, added or dropped."""
-    return st.tuples(st.dictionaries(keys, values, max_size=4), st.lists(st.sampled_from(sorted(base)), max_size=2)).map(
-        lambda t: {k: v for k, v in {**base, **t[0]}.items() if k not in t[1]})
+    return st.tuples(
+        st.dictionaries(keys, values, max_size=4), st.lists(st.sampled_from(sorted(base)), max_size=2)
+    ).map(lambda t: {k: v for k, v in {**base, **t[0]}.items() if k not in t[1]})
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_examples=st.one_of(METRIC_VALUES, st.just(10**12)),
-       metrics=fuzzed_metrics(TRAIN_KEYS, RECORD_VALUES, train_metrics()),
-       arrays=st.sampled_from(["ok", "nan", "inf", "shape", "clip", "dtype"]))
+@given(
+    num_examples=st.one_of(METRIC_VALUES, st.just(10**12)),
+    metrics=fuzzed_metrics(TRAIN_KEYS, RECORD_VALUES, train_metrics()),
+    arrays=st.sampled_from(["ok", "nan", "inf", "shape", "clip", "dtype"]),
+)
 def test_fuzzed_train_replies_never_escape_the_guard(num_examples, metrics, arrays):
-    crafted = {"ok": update(0.5), "nan": [np.full((2, 3), np.nan, np.float32), np.zeros(3, np.float32)],
-               "inf": [np.zeros((2, 3), np.float32), np.full(3, np.inf, np.float32)],
-               "shape": [np.zeros((3, 2), np.float32), np.zeros(3, np.float32)],
-               "clip": update(1e6), "dtype": [np.zeros((2, 3), np.complex64), np.zeros(3, np.float32)]}[arrays]
+    crafted = {
+        "ok": update(0.5),
+        "nan": [np.full((2, 3), np.nan, np.float32), np.zeros(3, np.float32)],
+        "inf": [np.zeros((2, 3), np.float32), np.full(3, np.inf, np.float32)],
+        "shape": [np.zeros((3, 2), np.float32), np.zeros(3, np.float32)],
+        "clip": update(1e6),
+        "dtype": [np.zeros((2, 3), np.complex64), np.zeros(3, np.float32)],
+    }[arrays]
     guard, replies = guard_round([fit_reply(num_examples, metrics, crafted), fit_reply(10, arrays=update(1.0))])
     parsed = None
     try:
@@ -246,12 +303,25 @@ def test_fuzzed_train_replies_never_escape_the_guard(num_examples, metrics, arra
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stage=st.sampled_from([Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK]),
-       record=st.dictionaries(st.sampled_from([SecAggKey.PUBLIC_KEY_1, SecAggKey.PUBLIC_KEY_2,
-                                               SecAggKey.DESTINATION_LIST, SecAggKey.CIPHERTEXT_LIST,
-                                               SecAggKey.MASKED_PARAMETERS, SecAggKey.NODE_ID_LIST,
-                                               SecAggKey.SHARE_LIST]), RECORD_VALUES, max_size=4),
-       with_fitres=st.booleans())
+@given(
+    stage=st.sampled_from([Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK]),
+    record=st.dictionaries(
+        st.sampled_from(
+            [
+                SecAggKey.PUBLIC_KEY_1,
+                SecAggKey.PUBLIC_KEY_2,
+                SecAggKey.DESTINATION_LIST,
+                SecAggKey.CIPHERTEXT_LIST,
+                SecAggKey.MASKED_PARAMETERS,
+                SecAggKey.NODE_ID_LIST,
+                SecAggKey.SHARE_LIST,
+            ]
+        ),
+        RECORD_VALUES,
+        max_size=4,
+    ),
+    with_fitres=st.booleans(),
+)
 def test_fuzzed_secagg_stage_replies_never_escape_the_guard(stage, record, with_fitres):
     content = fit_reply() if with_fitres else RecordDict()
     content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(record)
@@ -261,8 +331,13 @@ def test_fuzzed_secagg_stage_replies_never_escape_the_guard(stage, record, with_
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(metrics=fuzzed_metrics(st.sampled_from(["num-examples", "loss", "head-accuracy", "tau", "eval-seconds", "x"]),
-                              METRIC_VALUES, {"num-examples": 4, "head-accuracy": [0.5, 0.25], "tau": 1.4}))
+@given(
+    metrics=fuzzed_metrics(
+        st.sampled_from(["num-examples", "loss", "head-accuracy", "tau", "eval-seconds", "x"]),
+        METRIC_VALUES,
+        {"num-examples": 4, "head-accuracy": [0.5, 0.25], "tau": 1.4},
+    )
+)
 def test_fuzzed_evaluation_replies_never_escape_client_evaluation(heads, metrics):
     result = evaluate([RecordDict({"metrics": MetricRecord(metrics)}), eval_reply()], heads)
     try:
@@ -275,13 +350,20 @@ def test_fuzzed_evaluation_replies_never_escape_client_evaluation(heads, metrics
 
 
 @settings(max_examples=200, deadline=None)
-@given(num_examples=ANY_VALUES, metrics=st.one_of(ANY_VALUES, st.dictionaries(TRAIN_KEYS, ANY_VALUES, max_size=5)),
-       eval_metrics=st.one_of(ANY_VALUES, st.dictionaries(st.sampled_from(["num-examples", "head-accuracy", "tau",
-                                                                          "loss", "eval-seconds"]), ANY_VALUES)))
+@given(
+    num_examples=ANY_VALUES,
+    metrics=st.one_of(ANY_VALUES, st.dictionaries(TRAIN_KEYS, ANY_VALUES, max_size=5)),
+    eval_metrics=st.one_of(
+        ANY_VALUES,
+        st.dictionaries(st.sampled_from(["num-examples", "head-accuracy", "tau", "loss", "eval-seconds"]), ANY_VALUES),
+    ),
+)
 def test_protocol_raises_only_reply_errors_whatever_the_values(num_examples, metrics, eval_metrics):
     """Any Python value (not only what Flower records can carry) parses or raises a one-line ReplyError."""
-    for parse, kind in ((lambda: TrainReply.from_metrics(num_examples, metrics, NUM_HEADS), TrainReply),
-                        (lambda: EvalReply.from_metrics(eval_metrics, NUM_HEADS), EvalReply)):
+    for parse, kind in (
+        (lambda: TrainReply.from_metrics(num_examples, metrics, NUM_HEADS), TrainReply),
+        (lambda: EvalReply.from_metrics(eval_metrics, NUM_HEADS), EvalReply),
+    ):
         try:
             assert isinstance(parse(), kind)
         except ReplyError as exc:

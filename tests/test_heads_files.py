@@ -36,8 +36,10 @@ def test_damaged_weights_file(saved, tiny_base, damage):
 
 def test_weights_with_wrong_names_or_shapes(saved, tiny_base):
     state = DraftHeads.load(saved, tiny_base).state_dict()
-    save_file({k: (torch.zeros(3, 3) if k == "fusion.proj.weight" else v.contiguous()) for k, v in state.items()},
-              saved / WEIGHTS_FILE)
+    save_file(
+        {k: (torch.zeros(3, 3) if k == "fusion.proj.weight" else v.contiguous()) for k, v in state.items()},
+        saved / WEIGHTS_FILE,
+    )
     with pytest.raises(FedLookaheadError, match="fusion.proj.weight has shape"):
         DraftHeads.load(saved, tiny_base)
     save_file({"other": torch.zeros(1)}, saved / WEIGHTS_FILE)
@@ -45,18 +47,21 @@ def test_weights_with_wrong_names_or_shapes(saved, tiny_base):
         DraftHeads.load(saved, tiny_base)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: "{not json", "not valid JSON"),
-    (lambda c: json.dumps([1, 2]), "expected a JSON object"),
-    (lambda c: json.dumps({k: v for k, v in c.items() if k != "num_heads"}), "missing \\['num_heads'\\]"),
-    (lambda c: json.dumps(dict(c, num_heads="4")), "num_heads must be an integer"),
-    (lambda c: json.dumps(dict(c, num_heads=100_000_000)), "num_heads must be in 1..16"),
-    (lambda c: json.dumps(dict(c, arch="transformer")), "arch must be one of"),
-    (lambda c: json.dumps(dict(c, draft_vocab=[1, 1])), "draft_vocab needs distinct ids"),
-    (lambda c: json.dumps(dict(c, draft_vocab=[10**9])), "draft_vocab needs distinct ids"),
-    (lambda c: json.dumps(dict(c, surprise=1)), "unknown \\['surprise'\\]"),
-    (lambda c: json.dumps(dict(c, hidden_size=10**6)), "geometry does not fit"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: "{not json", "not valid JSON"),
+        (lambda c: json.dumps([1, 2]), "expected a JSON object"),
+        (lambda c: json.dumps({k: v for k, v in c.items() if k != "num_heads"}), "missing \\['num_heads'\\]"),
+        (lambda c: json.dumps(dict(c, num_heads="4")), "num_heads must be an integer"),
+        (lambda c: json.dumps(dict(c, num_heads=100_000_000)), "num_heads must be in 1..16"),
+        (lambda c: json.dumps(dict(c, arch="transformer")), "arch must be one of"),
+        (lambda c: json.dumps(dict(c, draft_vocab=[1, 1])), "draft_vocab needs distinct ids"),
+        (lambda c: json.dumps(dict(c, draft_vocab=[10**9])), "draft_vocab needs distinct ids"),
+        (lambda c: json.dumps(dict(c, surprise=1)), "unknown \\['surprise'\\]"),
+        (lambda c: json.dumps(dict(c, hidden_size=10**6)), "geometry does not fit"),
+    ],
+)
 def test_bad_config_is_one_line_and_fast(saved, tiny_base, edit, message):
     (saved / CONFIG_FILE).write_text(edit(_config(saved)))
     started = time.perf_counter()
@@ -68,6 +73,20 @@ def test_bad_config_is_one_line_and_fast(saved, tiny_base, edit, message):
 
 def test_generate_with_broken_heads_is_one_line(saved, tiny_base_dir):
     (saved / CONFIG_FILE).write_text(json.dumps(dict(_config(saved), num_heads=100_000_000)))
-    result = CliRunner().invoke(app, ["generate", "--prompt", "def f(", "--base", str(tiny_base_dir),
-                                      "--heads", str(saved), "--device", "cpu", "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--prompt",
+            "def f(",
+            "--base",
+            str(tiny_base_dir),
+            "--heads",
+            str(saved),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and "num_heads" in result.output

@@ -28,9 +28,12 @@ def _imported_modules(tree: ast.AST) -> list[str]:
 def test_common_imports_neither_client_nor_server() -> None:
     files = sorted((ROOT / "common").rglob("*.py"))
     assert len(files) > 10  # the walk found the package
-    upward = [(str(path.relative_to(ROOT)), name) for path in files
-              for name in _imported_modules(ast.parse(path.read_text(), str(path)))
-              if name.split(".")[0] in UPPER]
+    upward = [
+        (str(path.relative_to(ROOT)), name)
+        for path in files
+        for name in _imported_modules(ast.parse(path.read_text(), str(path)))
+        if name.split(".")[0] in UPPER
+    ]
     assert upward == []
 
 

@@ -34,15 +34,26 @@ from common.data import stdlib_dir
 from common.heads import DraftHeads
 from common.params import heads_config_dict, heads_to_ndarrays
 
-RUN = {"chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "num-server-rounds": 2,
-       "data-source": str(stdlib_dir() / "json")}
+RUN = {
+    "chunk-len": 32,
+    "max-chunks-per-client": 12,
+    "num-heads": 2,
+    "batch-size": 4,
+    "num-server-rounds": 2,
+    "data-source": str(stdlib_dir() / "json"),
+}
 
 
 def _device(tiny_base_dir: Path, state: Path, run: dict | None = None, **floor) -> Context:
     """A device's context: node config with a state-dir (as `fedla client` writes it) and its privacy floor."""
     node_config = {"state-dir": str(state), "partition-id": 0, "num-partitions": 1, **floor}
-    return Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(),
-                   run_config={"base-model-dir": str(tiny_base_dir), **RUN, **(run or {})})
+    return Context(
+        run_id=7,
+        node_id=3,
+        node_config=node_config,
+        state=RecordDict(),
+        run_config={"base-model-dir": str(tiny_base_dir), **RUN, **(run or {})},
+    )
 
 
 def _train(context: Context, heads: DraftHeads, run_key: str) -> dict:
@@ -107,8 +118,12 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
     emptied["runs"]["run-a"]["history"] = []
     replaced = {**emptied, "runs": {"another-run": {"noise_multiplier": 1.0, "history": []}}}
     corrupt = '{"format": "fedla-privacy-ledger/1", "ru'
-    cases = [("missing but this device has trained", None), ("holds 0 DP-SGD steps", json.dumps(emptied)),
-             ("holds 0 DP-SGD steps", json.dumps(replaced)), ("unreadable", corrupt)]
+    cases = [
+        ("missing but this device has trained", None),
+        ("holds 0 DP-SGD steps", json.dumps(emptied)),
+        ("holds 0 DP-SGD steps", json.dumps(replaced)),
+        ("unreadable", corrupt),
+    ]
     for expected, text in cases:
         if text is None:
             ledger_file.unlink()
@@ -140,7 +155,12 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
 
 def test_simulated_clients_keep_the_run_config(tiny_base, tiny_base_dir):
     """No state-dir: the run config governs (dp=false trains without DP, as the simulations expect)."""
-    context = Context(run_id=7, node_id=3, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
-                      run_config={"base-model-dir": str(tiny_base_dir), **RUN, "dp": False})
+    context = Context(
+        run_id=7,
+        node_id=3,
+        node_config={"partition-id": 0, "num-partitions": 1},
+        state=RecordDict(),
+        run_config={"base-model-dir": str(tiny_base_dir), **RUN, "dp": False},
+    )
     metrics = _train(context, DraftHeads.fresh(tiny_base, 2), "sim")
     assert metrics["dp"] == 0 and metrics["epsilon"] == float("inf") and metrics["skipped"] == 0

@@ -61,7 +61,9 @@ def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
     for entry in (result["public_only"], result["dp"]["8"]):
         clients = entry["per_client"]
         assert len(clients) == result["clients"]
-        assert entry["tau_heads_only"] == pytest.approx(sum(c["tau_heads_only"] for c in clients) / len(clients), abs=1e-3)
+        assert entry["tau_heads_only"] == pytest.approx(
+            sum(c["tau_heads_only"] for c in clients) / len(clients), abs=1e-3
+        )
     # the chain estimate is validated against a real heads-only AMS-LD decode
     for check in result["tau_validation"].values():
         assert check["decoded_ams_heads_only"] >= 1.0 and check["chain_estimate_same_chunks"] >= 1.0
@@ -123,7 +125,9 @@ def test_fixed_clipping_bounds_the_update_only_when_the_server_asks():
     update = [rng.normal(scale=5.0, size=a.shape).astype(np.float32) for a in global_arrays]
 
     def handler(msg, context):
-        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([g + u for g, u in zip(global_arrays, update)]), 10, {})
+        fitres = FitRes(
+            Status(Code.OK, ""), ndarrays_to_parameters([g + u for g, u in zip(global_arrays, update)]), 10, {}
+        )
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
@@ -132,7 +136,7 @@ def test_fixed_clipping_bounds_the_update_only_when_the_server_asks():
         reply = fixedclipping_when_asked(train_message(global_arrays, {KEY_CLIPPING_NORM: clip}), context, handler)
         sent = parameters_to_ndarrays(compat.recorddict_to_fitres(reply.content, keep_input=True).parameters)
         delta = [s.astype(np.float64) - g for s, g in zip(sent, global_arrays)]
-        clipped = math.sqrt(sum(float((d ** 2).sum()) for d in delta))
+        clipped = math.sqrt(sum(float((d**2).sum()) for d in delta))
         assert clipped == pytest.approx(clip, rel=1e-4)  # norm 5*sqrt(72) >> clip: scaled down to exactly clip
         for d, u in zip(delta, update):  # direction kept
             np.testing.assert_allclose(d, u * clip / norm, rtol=1e-3, atol=1e-5)
@@ -152,17 +156,33 @@ def test_user_level_noise_calibration_against_opacus():
     assert accountant.get_epsilon(1e-5) > 4.0
 
 
-def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(tiny_base_dir, tiny_base, tmp_path, one_thread):
+def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
+    tiny_base_dir, tiny_base, tmp_path, one_thread
+):
     """Under SecAgg+ with dp-level=user: every client's update has norm <= dp-user-clip (Flower's
     fixedclipping_mod, before masking), the clients weigh the same, and the new heads are the plain mean
     of the clipped updates plus Gaussian noise of std sigma * clip / n (Flower's server wrapper)."""
     clip, nodes = 0.05, 4
     run_config = {
-        "base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"), "num-server-rounds": 1,
-        "chunk-len": 32, "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "lr": 0.01,
-        "min-train-clients": nodes, "min-available-clients": nodes, "node-wait-seconds": 0.0,
-        "server-eval-chunks": 0, "eval-prompts": 1, "eval-max-new-tokens": 0, "fraction-evaluate": 0.0,
-        "run-dir": str(tmp_path / "runs"), "dp-level": "user", "dp-user-clip": clip, "dp-target-epsilon": 8.0,
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 1,
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "lr": 0.01,
+        "min-train-clients": nodes,
+        "min-available-clients": nodes,
+        "node-wait-seconds": 0.0,
+        "server-eval-chunks": 0,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 0,
+        "fraction-evaluate": 0.0,
+        "run-dir": str(tmp_path / "runs"),
+        "dp-level": "user",
+        "dp-user-clip": clip,
+        "dp-target-epsilon": 8.0,
     }
     sent: dict = {}
     received: dict = {}
@@ -194,12 +214,13 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(tiny_
     for arrays, _weight, metrics in sent.values():
         assert metrics["dp"] == 0  # no Opacus on the client: the noise is the server's
         delta = [a.astype(np.float64) - g for a, g in zip(arrays, global_arrays)]
-        assert math.sqrt(sum(float((d ** 2).sum()) for d in delta)) <= clip * (1 + 1e-4)
+        assert math.sqrt(sum(float((d**2).sum()) for d in delta)) <= clip * (1 + 1e-4)
         deltas.append(delta)
     assert len({w for _, w, _ in sent.values()}) == 1  # equal weights: sensitivity clip / n
     new = heads_to_ndarrays(DraftHeads.load(run_dir / "checkpoints" / "round-1", tiny_base))
-    noise = np.concatenate([(n - g - sum(d[i] for d in deltas) / nodes).ravel()
-                            for i, (n, g) in enumerate(zip(new, global_arrays))])
+    noise = np.concatenate(
+        [(n - g - sum(d[i] for d in deltas) / nodes).ravel() for i, (n, g) in enumerate(zip(new, global_arrays))]
+    )
     expected_std = plan["noise_multiplier"] * clip / nodes
     assert plan["noise_std"] == pytest.approx(expected_std)
     assert abs(float(noise.mean())) < 0.05 * expected_std
@@ -210,8 +231,15 @@ def test_a_device_keeps_its_own_dp_sgd_when_a_run_asks_for_user_level(tiny_base,
     """User-level DP trusts the server with the noise; a device (state-dir: its own privacy floor) never
     does, so it still trains with Opacus DP-SGD and reports its epsilon."""
     node_config = {"state-dir": str(tmp_path / "state"), "partition-id": 0, "num-partitions": 1}
-    run_config = {"base-model-dir": str(tiny_base_dir), "data-source": str(stdlib_dir() / "json"), "chunk-len": 32,
-                  "max-chunks-per-client": 12, "num-heads": 2, "batch-size": 4, "dp-level": "user"}
+    run_config = {
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "dp-level": "user",
+    }
     context = Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config=run_config)
     heads = DraftHeads.fresh(tiny_base, 2)
     fit_config = {**heads_config_dict(heads), "fedla-run-id": "user-level-run", "server-round": 1}

@@ -15,19 +15,43 @@ import pytest
 from common.protocol import RoundRecord
 from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
 
-SECAGG = {"num_shares": 3, "reconstruction_threshold": 2, "max_weight": 1000.0, "clipping_range": 8.0,
-          "quantization_range": 4194304, "modulus_range": 4294967296, "timeout": 30.0}
+SECAGG = {
+    "num_shares": 3,
+    "reconstruction_threshold": 2,
+    "max_weight": 1000.0,
+    "clipping_range": 8.0,
+    "quantization_range": 4194304,
+    "modulus_range": 4294967296,
+    "timeout": 30.0,
+}
 CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
 
 
 def round_record(r: int, **over) -> RoundRecord:
     values = dict(
-        round=r, train_loss=4.0 / r, head_accuracy=[0.2 + 0.05 * r, 0.1 + 0.03 * r], tau=1.0 + 0.1 * r,
-        client_head_accuracy=[0.21 + 0.05 * r, 0.12 + 0.03 * r], client_tau=1.05 + 0.1 * r, tau_heads_only=0.9 + 0.1 * r,
-        sampled=4, succeeded=3, dropped=1, rejected=({"node": 7, "reason": "update norm too large"},),
-        epsilon_max=0.5 * r, epsilon_mean=0.4 * r, delta=1e-5, wall_seconds=2.5,
-        bytes_down_per_client=100_000, bytes_up_per_client=23_456, eval_push_bytes_per_client=100_000,
-        fit_seconds=1.5, server_eval_seconds=0.5, client_eval_seconds=0.25, client_train_seconds=3.0)
+        round=r,
+        train_loss=4.0 / r,
+        head_accuracy=[0.2 + 0.05 * r, 0.1 + 0.03 * r],
+        tau=1.0 + 0.1 * r,
+        client_head_accuracy=[0.21 + 0.05 * r, 0.12 + 0.03 * r],
+        client_tau=1.05 + 0.1 * r,
+        tau_heads_only=0.9 + 0.1 * r,
+        sampled=4,
+        succeeded=3,
+        dropped=1,
+        rejected=({"node": 7, "reason": "update norm too large"},),
+        epsilon_max=0.5 * r,
+        epsilon_mean=0.4 * r,
+        delta=1e-5,
+        wall_seconds=2.5,
+        bytes_down_per_client=100_000,
+        bytes_up_per_client=23_456,
+        eval_push_bytes_per_client=100_000,
+        fit_seconds=1.5,
+        server_eval_seconds=0.5,
+        client_eval_seconds=0.25,
+        client_train_seconds=3.0,
+    )
     values.update(over)
     return RoundRecord(**values)
 
@@ -145,8 +169,11 @@ def test_unknown_run_and_other_bad_calls(store):
 def test_tables_pragmas_and_no_client_updates(store, tmp_path):
     db = sqlite3.connect(tmp_path / "fedla.db")
     tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert tables == {"schema_version", "runs", "rounds", "participation", "rejected_replies", "privacy",
-                      "checkpoints"} == set(STORE_TABLES)
+    assert (
+        tables
+        == {"schema_version", "runs", "rounds", "participation", "rejected_replies", "privacy", "checkpoints"}
+        == set(STORE_TABLES)
+    )
     # Nothing that could hold an individual client's update: no blob columns anywhere.
     for table in tables:
         types = {row[2].upper() for row in db.execute(f"PRAGMA table_info({table})")}
@@ -263,9 +290,19 @@ def test_numpy_scalars_and_non_finite_config_values(store):
     np = pytest.importorskip("numpy")
     store.start_run("np", {"dp_target_epsilon": math.inf, "nested": [math.nan]}, SECAGG)
     assert store.get_run("np")["config"] == {"dp_target_epsilon": None, "nested": [None]}  # strict JSON
-    store.record_round("np", round_record(
-        np.int64(1), train_loss=np.float32(2.5), head_accuracy=list(np.array([0.5, 0.25], dtype=np.float32)),
-        sampled=np.int64(3), succeeded=3, dropped=0, bytes_down_per_client=np.int32(7), bytes_up_per_client=0))
+    store.record_round(
+        "np",
+        round_record(
+            np.int64(1),
+            train_loss=np.float32(2.5),
+            head_accuracy=list(np.array([0.5, 0.25], dtype=np.float32)),
+            sampled=np.int64(3),
+            succeeded=3,
+            dropped=0,
+            bytes_down_per_client=np.int32(7),
+            bytes_up_per_client=0,
+        ),
+    )
     row = store.get_rounds("np")[0]
     assert row["metrics"]["head_accuracy"] == [0.5, 0.25] and type(row["metrics"]["train_loss"]) is float
     assert row["participation"]["sampled"] == 3 and row["bytes_per_client"] == 7

@@ -45,9 +45,25 @@ from common.base import FedLookaheadError
 from common.procs import flower_env, free_port
 
 __all__ = [
-    "EXIT_BAD_INPUT", "EXIT_OK", "EXIT_REFUSED", "EXIT_TLS", "EXIT_UNREACHABLE", "ClientDaemon", "DaemonError",
-    "DaemonOptions", "RoundLogger", "check_auth_key", "check_data", "floor_values", "format_round",
-    "node_config_values", "parse_address", "preflight", "reset_ledger_command", "run_daemon", "write_node_config",
+    "EXIT_BAD_INPUT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_TLS",
+    "EXIT_UNREACHABLE",
+    "ClientDaemon",
+    "DaemonError",
+    "DaemonOptions",
+    "RoundLogger",
+    "check_auth_key",
+    "check_data",
+    "floor_values",
+    "format_round",
+    "node_config_values",
+    "parse_address",
+    "preflight",
+    "reset_ledger_command",
+    "run_daemon",
+    "write_node_config",
 ]
 
 log = logging.getLogger("fedla.client")
@@ -102,8 +118,17 @@ class ClientDaemon:
             self.emit(f"supernode: {value}")
 
     def _write_status(self, status: str, **extra) -> None:
-        self.status.update({"status": status, "pid": os.getpid(), "superlink": self.opts.superlink,
-                            "node_id": self.node_id, "state_dir": str(self.state_dir), "time": time.time(), **extra})
+        self.status.update(
+            {
+                "status": status,
+                "pid": os.getpid(),
+                "superlink": self.opts.superlink,
+                "node_id": self.node_id,
+                "state_dir": str(self.state_dir),
+                "time": time.time(),
+                **extra,
+            }
+        )
         tmp = self.state_dir / f".{DAEMON_FILE}.{os.getpid()}"
         tmp.write_text(json.dumps(self.status, indent=1, default=str))
         os.replace(tmp, self.state_dir / DAEMON_FILE)
@@ -121,8 +146,12 @@ class ClientDaemon:
         if self.opts.prepare:
             try:
                 ready = prepare(values, self.emit)
-                self.status["readiness"] = {"train_chunks": ready.train_chunks, "heldout_chunks": ready.heldout_chunks,
-                                            "features": ready.features, "seconds": round(ready.seconds, 1)}
+                self.status["readiness"] = {
+                    "train_chunks": ready.train_chunks,
+                    "heldout_chunks": ready.heldout_chunks,
+                    "features": ready.features,
+                    "seconds": round(ready.seconds, 1),
+                }
             except NotPrepared as exc:  # the run may use another chunk length: its rounds will say
                 self.emit(f"not prepared ({exc}); the first round will try with the run's settings")
         return values
@@ -130,8 +159,9 @@ class ClientDaemon:
     def _run_one(self, cmd: list[str], rounds: RoundLogger) -> Outcome:
         """One SuperNode start, until it exits, gives up reconnecting, or the daemon stops."""
         self.connected_this_start, self.gone_announced, self.gave_up_at = False, False, None
-        node = self.node = SuperNode(cmd, flower_env(self.flwr_home, PYTHONUNBUFFERED="1"), self.state_dir,
-                                     self.log_path, self.on_line)
+        node = self.node = SuperNode(
+            cmd, flower_env(self.flwr_home, PYTHONUNBUFFERED="1"), self.state_dir, self.log_path, self.on_line
+        )
         while node.running() and not self.stopping.is_set():
             node.tree.remember()
             rounds.poll()
@@ -156,10 +186,12 @@ class ClientDaemon:
 
         budget = float(values[BUDGET_KEY])
         rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
-        self.emit(f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
-                  f"base {values['base-model-dir']}, state {self.state_dir}"
-                  + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
-                  + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}")
+        self.emit(
+            f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
+            f"base {values['base-model-dir']}, state {self.state_dir}"
+            + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
+            + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}"
+        )
         if info["public_key"]:
             self.emit(f"node public key (register it on the server): {info['public_key']}")
         policy = RestartPolicy(opts.restarts, opts.refused_patience)
@@ -170,12 +202,18 @@ class ClientDaemon:
                 from client.endpoint import start_endpoint
 
                 try:
-                    endpoint = start_endpoint(Path(values["base-model-dir"]), self.state_dir / "heads" / "latest",
-                                              port=opts.serve_port, device=opts.device)
+                    endpoint = start_endpoint(
+                        Path(values["base-model-dir"]),
+                        self.state_dir / "heads" / "latest",
+                        port=opts.serve_port,
+                        device=opts.device,
+                    )
                 except FedLookaheadError as exc:
                     raise DaemonError(f"local generation endpoint: {exc}") from None
-                self.emit(f"local generation endpoint on {endpoint.url} (OpenAI-compatible /v1/completions, "
-                          "/v1/chat/completions)")
+                self.emit(
+                    f"local generation endpoint on {endpoint.url} (OpenAI-compatible /v1/completions, "
+                    "/v1/chat/completions)"
+                )
                 self._write_status("starting", serve_url=endpoint.url)
             while not self.stopping.is_set():
                 outcome = self._run_one(cmd, rounds)
@@ -200,8 +238,9 @@ class ClientDaemon:
     def _act(self, decision: Decision, detail: str) -> None:
         opts = self.opts
         if decision.stop:
-            raise DaemonError(final_error(decision, opts.superlink, detail, opts.root_certificates, opts.auth_key),
-                              decision.code)
+            raise DaemonError(
+                final_error(decision, opts.superlink, detail, opts.root_certificates, opts.auth_key), decision.code
+            )
         if decision.state == "server-gone" and decision.first and self.gone_announced:
             detail = ""  # try 1 was announced when the connection failed; Flower's last error adds nothing new
         line = decision_line(decision, opts.superlink, detail, opts.refused_patience, opts.auth_key)

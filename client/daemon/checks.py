@@ -86,8 +86,10 @@ def check_auth_key(path: Path) -> str:
     except (ValueError, TypeError, OSError) as exc:
         raise DaemonError(f"--auth-key: {path} is not an unencrypted OpenSSH private key ({exc})") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name not in ("secp256r1", "secp384r1", "secp521r1"):
-        raise DaemonError(f"--auth-key: Flower's node authentication needs an ECDSA key on a NIST curve "
-                          f"(e.g. `ssh-keygen -t ecdsa -b 384`), {path} is not one")
+        raise DaemonError(
+            f"--auth-key: Flower's node authentication needs an ECDSA key on a NIST curve "
+            f"(e.g. `ssh-keygen -t ecdsa -b 384`), {path} is not one"
+        )
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
@@ -143,8 +145,9 @@ def preflight(opts: DaemonOptions) -> dict:
     if opts.budget_eps is not None and not opts.budget_eps > 0:
         raise DaemonError(f"--budget-eps must be positive, got {opts.budget_eps}")
     if opts.insecure and (opts.root_certificates or opts.auth_key):
-        raise DaemonError("--insecure cannot be combined with --root-certificates or --auth-key "
-                          "(node authentication requires TLS)")
+        raise DaemonError(
+            "--insecure cannot be combined with --root-certificates or --auth-key (node authentication requires TLS)"
+        )
     if opts.root_certificates is not None:
         check_certificate(opts.root_certificates)
     public_key = check_auth_key(opts.auth_key) if opts.auth_key is not None else None

@@ -27,9 +27,12 @@ def floor_values(opts: DaemonOptions) -> dict:
     from client.privacy import BUDGET_KEY, MAX_DELTA_KEY, MAX_GRAD_NORM_KEY, MIN_NOISE_KEY, DeviceFloor
 
     defaults = DeviceFloor(Path("."))
-    chosen = {BUDGET_KEY: (opts.budget_eps, defaults.budget_epsilon), MAX_DELTA_KEY: (opts.max_delta, defaults.delta),
-              MAX_GRAD_NORM_KEY: (opts.max_grad_norm, defaults.max_grad_norm),
-              MIN_NOISE_KEY: (opts.min_noise_multiplier, defaults.min_noise_multiplier)}
+    chosen = {
+        BUDGET_KEY: (opts.budget_eps, defaults.budget_epsilon),
+        MAX_DELTA_KEY: (opts.max_delta, defaults.delta),
+        MAX_GRAD_NORM_KEY: (opts.max_grad_norm, defaults.max_grad_norm),
+        MIN_NOISE_KEY: (opts.min_noise_multiplier, defaults.min_noise_multiplier),
+    }
     return {key: float(default if value is None else value) for key, (value, default) in chosen.items()}
 
 

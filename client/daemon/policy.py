@@ -108,10 +108,29 @@ class RestartPolicy:
         self.failing_since = self.failing_since if self.failing_since is not None else outcome.began
         waited = outcome.ended - self.failing_since
         if self.restarts and self.failures >= self.restarts:
-            return Decision(True, "gone" if self.gone else "unreachable", attempt=self.failures, limit=self.restarts,
-                            seconds=waited, code=EXIT_UNREACHABLE)
+            return Decision(
+                True,
+                "gone" if self.gone else "unreachable",
+                attempt=self.failures,
+                limit=self.restarts,
+                seconds=waited,
+                code=EXIT_UNREACHABLE,
+            )
         if self.gone:
-            return Decision(False, "server-gone", delay=self._backoff(), attempt=self.failures + 1,
-                            limit=self.restarts, seconds=waited)
-        return Decision(False, "unreachable", delay=self._backoff(), attempt=self.failures, limit=self.restarts,
-                        seconds=waited, first=self.failures == 1)
+            return Decision(
+                False,
+                "server-gone",
+                delay=self._backoff(),
+                attempt=self.failures + 1,
+                limit=self.restarts,
+                seconds=waited,
+            )
+        return Decision(
+            False,
+            "unreachable",
+            delay=self._backoff(),
+            attempt=self.failures,
+            limit=self.restarts,
+            seconds=waited,
+            first=self.failures == 1,
+        )

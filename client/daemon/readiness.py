@@ -77,8 +77,10 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
         raise NotPrepared(str(exc)) from None
     ready = Readiness(base_dir, len(data.train), len(data.heldout))
     state = Path(node_config["state-dir"])
-    emit(f"tokenised: {len(data.train)} training and {len(data.heldout)} held-out chunks of {config.chunk_len} tokens "
-         f"in {state / 'chunks'}")
+    emit(
+        f"tokenised: {len(data.train)} training and {len(data.heldout)} held-out chunks of {config.chunk_len} tokens "
+        f"in {state / 'chunks'}"
+    )
     if features and len(data.train):
         extractor = extractor_for(base)
         sample = data.train[:SAMPLE_CHUNKS]

@@ -20,8 +20,9 @@ from typing import Callable
 from client.daemon.policy import Decision
 
 
-def format_round(round_no, run, train: dict | None, heads: dict | None, evaluation: dict | None,
-                 budget: float | None) -> str:
+def format_round(
+    round_no, run, train: dict | None, heads: dict | None, evaluation: dict | None, budget: float | None
+) -> str:
     """One log line for one round on this device."""
     parts = []
     if train is None:
@@ -36,7 +37,11 @@ def format_round(round_no, run, train: dict | None, heads: dict | None, evaluati
             text += f", head-1 acc {float(train['acc_1']):.3f}"
         if train.get("dp"):
             eps = float(train.get("epsilon", 0.0))
-            text += f", epsilon {eps:.3f}" + (f"/{budget:g}" if budget else "") + f" (delta {float(train.get('delta', 0)):g})"
+            text += (
+                f", epsilon {eps:.3f}"
+                + (f"/{budget:g}" if budget else "")
+                + f" (delta {float(train.get('delta', 0)):g})"
+            )
         else:
             text += ", no DP"
         text += f", {float(train.get('train_seconds', 0.0)):.1f}s"
@@ -114,8 +119,9 @@ class RoundLogger:
         if self.pending is None:
             return
         run, round_no = self.pending["key"]
-        line = format_round(round_no, run, self.pending["train"], self.pending["heads"], self.pending["eval"],
-                            self.budget)
+        line = format_round(
+            round_no, run, self.pending["train"], self.pending["heads"], self.pending["eval"], self.budget
+        )
         self.pending = None
         self.emit(line)
 
@@ -125,34 +131,49 @@ def server_gone(attempt: int, limit: int, delay: float | None = None) -> str:
     return f"server gone; retrying ({tries})" + (f" in {delay:.1f}s" if delay is not None else "")
 
 
-def decision_line(decision: Decision, superlink: str, detail: str, patience: float, auth_key: Path | None) -> str | None:
+def decision_line(
+    decision: Decision, superlink: str, detail: str, patience: float, auth_key: Path | None
+) -> str | None:
     """The line a restart decision is worth, or None when it would only repeat the last one."""
     if decision.state == "waiting-registration":
         if not decision.first:
             return None
         key = f"{auth_key}.pub" if auth_key else "this node's public key"
-        return (f"waiting for registration: the SuperLink at {superlink} does not accept this node yet (the operator "
-                f"runs `flwr supernode register {key}`; a node that was just connected is also refused until the "
-                f"SuperLink marks it offline); retrying for up to {patience:.0f}s")
+        return (
+            f"waiting for registration: the SuperLink at {superlink} does not accept this node yet (the operator "
+            f"runs `flwr supernode register {key}`; a node that was just connected is also refused until the "
+            f"SuperLink marks it offline); retrying for up to {patience:.0f}s"
+        )
     if decision.state == "server-gone":
-        return server_gone(decision.attempt, decision.limit, decision.delay) + (f" (last error: {detail})" if detail else "")
+        return server_gone(decision.attempt, decision.limit, decision.delay) + (
+            f" (last error: {detail})" if detail else ""
+        )
     if decision.state == "unreachable":
-        return (f"SuperLink at {superlink} unreachable ({detail or 'no answer'}); "
-                f"retry {decision.attempt}/{decision.limit or 'unlimited'} in {decision.delay:.1f}s")
+        return (
+            f"SuperLink at {superlink} unreachable ({detail or 'no answer'}); "
+            f"retry {decision.attempt}/{decision.limit or 'unlimited'} in {decision.delay:.1f}s"
+        )
     return None
 
 
-def final_error(decision: Decision, superlink: str, detail: str, root_certificates: Path | None,
-                auth_key: Path | None) -> str:
+def final_error(
+    decision: Decision, superlink: str, detail: str, root_certificates: Path | None, auth_key: Path | None
+) -> str:
     """The one-line error of a decision to stop."""
     if decision.state == "tls":
-        return (f"TLS to {superlink} failed: the SuperLink's certificate is not trusted by "
-                f"{root_certificates or 'the system CA store'} or does not name this host ({detail})")
+        return (
+            f"TLS to {superlink} failed: the SuperLink's certificate is not trusted by "
+            f"{root_certificates or 'the system CA store'} or does not name this host ({detail})"
+        )
     if decision.state == "key":
         return f"flower-supernode could not read the key {auth_key}: {detail}"
     if decision.state == "refused":
-        return (f"the SuperLink at {superlink} refused this node for {decision.seconds:.0f}s: its key {auth_key} is "
-                f"not registered there (the operator runs `flwr supernode register {auth_key}.pub`; see docs/deploy.md)")
-    return (("server gone: " if decision.state == "gone" else "")
-            + f"cannot reach the SuperLink at {superlink}: {decision.attempt} attempt(s) over "
-            f"{decision.seconds:.0f}s failed (last error: {detail or 'no answer'})")
+        return (
+            f"the SuperLink at {superlink} refused this node for {decision.seconds:.0f}s: its key {auth_key} is "
+            f"not registered there (the operator runs `flwr supernode register {auth_key}.pub`; see docs/deploy.md)"
+        )
+    return (
+        ("server gone: " if decision.state == "gone" else "")
+        + f"cannot reach the SuperLink at {superlink}: {decision.attempt} attempt(s) over "
+        f"{decision.seconds:.0f}s failed (last error: {detail or 'no answer'})"
+    )

@@ -73,9 +73,23 @@ def classify(lines: Iterable[str], connected: bool) -> tuple[Kind, str]:
 
 
 def supernode_command(opts: DaemonOptions, config_file: Path, port: int) -> list[str]:
-    cmd = [flower_bin("flower-supernode"), "--superlink", opts.superlink, "--node-config", str(config_file),
-           "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(port),
-           "--max-retries", str(opts.max_retries), "--max-wait-time", str(opts.max_wait_time)]
+    cmd = [
+        flower_bin("flower-supernode"),
+        "--superlink",
+        opts.superlink,
+        "--node-config",
+        str(config_file),
+        "--isolation",
+        "subprocess",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-retries",
+        str(opts.max_retries),
+        "--max-wait-time",
+        str(opts.max_wait_time),
+    ]
     if opts.insecure:
         cmd.append("--insecure")
     if opts.root_certificates is not None:
@@ -93,8 +107,16 @@ class SuperNode:
         self.began = time.monotonic()
         log_file = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - the reader thread closes it
         log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                        env=env, cwd=cwd, preexec_fn=set_parent_death_signal)
+        self.process = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            cwd=cwd,
+            preexec_fn=set_parent_death_signal,
+        )
         self.tree = ProcessTree(self.process)
         self._on_line = on_line
         self.reader = threading.Thread(target=self._read, args=(self.process.stdout, log_file), daemon=True)

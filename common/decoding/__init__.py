@@ -82,8 +82,11 @@ def load_heads(directory: str | Path | None, base: BaseModel) -> DraftHeads | No
 def _usable_heads(heads: DraftHeads | None, base: BaseModel, mode: str) -> DraftHeads | None:
     """The heads bound to this base instance, or None (with a warning) when they are missing or do not fit."""
     if heads is None:
-        warnings.warn(f"mode {mode!r} needs lookahead heads and none were given; using greedy decoding",
-                      DecodingFallbackWarning, stacklevel=3)
+        warnings.warn(
+            f"mode {mode!r} needs lookahead heads and none were given; using greedy decoding",
+            DecodingFallbackWarning,
+            stacklevel=3,
+        )
         return None
     config = heads.config
     if config.base_fingerprint != base.fingerprint or (config.hidden_size, config.vocab_size) != (
@@ -135,8 +138,12 @@ def generate(
             mode = "greedy"
     attention = getattr(base.model.config, "_attn_implementation", "eager")
     if mode == "ams" and attention not in TREE_ATTENTION:
-        warnings.warn(f"AMS-LD needs an attention implementation that takes a 4D float mask ({', '.join(TREE_ATTENTION)}), "
-                      f"not {attention!r}; using greedy decoding", DecodingFallbackWarning, stacklevel=2)
+        warnings.warn(
+            f"AMS-LD needs an attention implementation that takes a 4D float mask ({', '.join(TREE_ATTENTION)}), "
+            f"not {attention!r}; using greedy decoding",
+            DecodingFallbackWarning,
+            stacklevel=2,
+        )
         mode = "greedy"
     room = base.max_positions - ids.shape[1]
     stopper = Stopper(base, max_new_tokens, stop_strings, degeneration_guard, room)
@@ -149,12 +156,23 @@ def generate(
         if mode == "ams":
             try:
                 tokens, forwards, reason, stats = ams_decode(
-                    base, ids, heads, policy, stopper, temperature, top_p, generator, curve,
+                    base,
+                    ids,
+                    heads,
+                    policy,
+                    stopper,
+                    temperature,
+                    top_p,
+                    generator,
+                    curve,
                     reproducible=temperature > 0 and seed is not None,
                 )
             except UnsupportedCache as exc:
-                warnings.warn(f"AMS-LD does not support this base's {exc}; using greedy decoding",
-                              DecodingFallbackWarning, stacklevel=2)
+                warnings.warn(
+                    f"AMS-LD does not support this base's {exc}; using greedy decoding",
+                    DecodingFallbackWarning,
+                    stacklevel=2,
+                )
                 mode = "greedy"
                 generator = make_generator(base.device, seed)
         if mode == "greedy":

@@ -197,7 +197,10 @@ class BaseRunner:
         return all(type(layer) is DynamicLayer for layer in self.cache.layers)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Last hidden states (1, q, d) of the new tokens; the cache grows by q."""
         kwargs = {self.cache_kw: self.cache}

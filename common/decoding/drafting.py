@@ -132,8 +132,9 @@ class Candidate:
     chain_pos: int = 0  # position in the n-gram chain (0: not on it)
 
 
-def choose_tree(candidates: list[Candidate], curve: CostCurve | None, max_nodes: int, min_prob: float,
-                fixed_seconds: float) -> list[int]:
+def choose_tree(
+    candidates: list[Candidate], curve: CostCurve | None, max_nodes: int, min_prob: float, fixed_seconds: float
+) -> list[int]:
     """Indices of the candidates to verify, parents before children (see the module docstring).
 
     `candidates` must list parents before children. With a cost curve, the prefix (in order of
@@ -245,7 +246,9 @@ class HeadsTreeDrafter:
             states = states.repeat_interleave(width, dim=0)[keep]
             parents = keep + offset  # global candidate index of each kept node
             offset += len(cand_logp)
-        return torch.cat([torch.cat(out_tokens).double(), torch.cat(out_parents).double(), torch.cat(out_logp).double()])
+        return torch.cat(
+            [torch.cat(out_tokens).double(), torch.cat(out_parents).double(), torch.cat(out_logp).double()]
+        )
 
     # -------------------------------------------------------------------- host side
     def propose(
@@ -287,8 +290,9 @@ class HeadsTreeDrafter:
                 cand.chain_pos = pos
                 cand.estimate = max(cand.estimate, rate if node < 0 else min(rate, candidates[node].estimate))
                 node = index
-        chosen = choose_tree(candidates, self.curve, self.policy.max_nodes, self.policy.min_path_prob,
-                             self.fixed_seconds)
+        chosen = choose_tree(
+            candidates, self.curve, self.policy.max_nodes, self.policy.min_path_prob, self.fixed_seconds
+        )
         if self._chain and any(candidates[i].chain_pos for i in chosen):
             self.stats["ngram_steps"] += 1
         position = {c: n for n, c in enumerate(chosen, start=1)}
@@ -317,4 +321,6 @@ class HeadsTreeDrafter:
         if chain:
             hit = n >= len(chain) and [tree[i - 1].token for i in accepted_path[: len(chain)]] == chain
             policy = self.policy
-            self.ngram_len = min(policy.ngram_max_len, self.ngram_len + 2) if hit else max(policy.ngram_min_len, self.ngram_len - 1)
+            self.ngram_len = (
+                min(policy.ngram_max_len, self.ngram_len + 2) if hit else max(policy.ngram_min_len, self.ngram_len - 1)
+            )

@@ -51,8 +51,10 @@ STATIC_DIR = PACKAGE_DIR / "static"
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 TOKEN_ENV = "FEDLA_DASHBOARD_TOKEN"
 MIN_TOKEN_LENGTH = 16
-PRIVACY_NOTE = ("Individual client updates are never stored. With SecAgg+ the server only ever sees the "
-                "aggregate of the sampled clients' updates; every number here is per round and aggregated.")
+PRIVACY_NOTE = (
+    "Individual client updates are never stored. With SecAgg+ the server only ever sees the "
+    "aggregate of the sampled clients' updates; every number here is per round and aggregated."
+)
 log = logging.getLogger("fedla.dashboard")
 
 
@@ -135,8 +137,9 @@ class SecondsOut(BaseModel):
 class RoundOut(BaseModel):
     round: int
     metrics: MetricsOut
-    tau_heads_only: Optional[float] = Field(None, description="server-side tau of the heads alone, without the "
-                                            "n-gram drafter (measured on the last round)")
+    tau_heads_only: Optional[float] = Field(
+        None, description="server-side tau of the heads alone, without the n-gram drafter (measured on the last round)"
+    )
     participation: ParticipationOut
     privacy: PrivacyOut
     wall_seconds: float
@@ -170,8 +173,9 @@ def _wants_html(request: Request) -> bool:
     return not request.url.path.startswith(("/api/", "/openapi.json", "/static/"))
 
 
-def create_app(store: RunStore | str | None = None, *, token: str | None = None,
-               run_dir: str | Path | None = None) -> FastAPI:
+def create_app(
+    store: RunStore | str | None = None, *, token: str | None = None, run_dir: str | Path | None = None
+) -> FastAPI:
     """The dashboard app over ``store`` (a RunStore, or a SQLAlchemy URL / SQLite path, or None for the
     default DB, which is then opened read-only and must exist: StoreUnavailable otherwise).
 
@@ -181,8 +185,13 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None,
     roots = ([store.sqlite_path.parent] if store.sqlite_path is not None else []) + ([Path(run_dir)] if run_dir else [])
     run_roots = [Path(os.path.realpath(root)) for root in roots]
     token = token or None
-    app = FastAPI(title="FedLookahead dashboard", version="1", docs_url="/docs", redoc_url=None,
-                  description="Read-only view of federated runs recorded in the run store. " + PRIVACY_NOTE)
+    app = FastAPI(
+        title="FedLookahead dashboard",
+        version="1",
+        docs_url="/docs",
+        redoc_url=None,
+        description="Read-only view of federated runs recorded in the run store. " + PRIVACY_NOTE,
+    )
     app.state.store = store
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     templates.env.filters["show"] = lambda v: v if isinstance(v, str) else json.dumps(v)  # true/null, not True/None
@@ -201,18 +210,23 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None,
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if request.method not in ("GET", "HEAD"):
-            return JSONResponse({"detail": "read-only dashboard: only GET is allowed"}, status_code=405,
-                                headers={"Allow": "GET, HEAD"})
+            return JSONResponse(
+                {"detail": "read-only dashboard: only GET is allowed"}, status_code=405, headers={"Allow": "GET, HEAD"}
+            )
         if token is not None:
             header = request.headers.get("authorization", "")
             given = header[7:].strip() if header.lower().startswith("bearer ") else request.query_params.get("token")
             if not given or not hmac.compare_digest(given.encode(), token.encode()):
                 if _wants_html(request):
-                    return HTMLResponse("<!doctype html><title>401</title><p>Missing or invalid token: open this "
-                                        "page with ?token=&lt;token&gt;.</p>", status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
-                return JSONResponse({"detail": "missing or invalid token"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+                    return HTMLResponse(
+                        "<!doctype html><title>401</title><p>Missing or invalid token: open this "
+                        "page with ?token=&lt;token&gt;.</p>",
+                        status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                return JSONResponse(
+                    {"detail": "missing or invalid token"}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
         if not request.url.path.startswith("/static/"):
             try:
                 store.check_available()
@@ -223,9 +237,11 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None,
         response.headers.setdefault("Referrer-Policy", "no-referrer")  # never leak ?token= to other sites
         response.headers.setdefault("X-Frame-Options", "DENY")
         if request.url.path != "/docs":  # FastAPI's own docs page loads Swagger UI from its CDN
-            response.headers.setdefault("Content-Security-Policy",
-                                        "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-                                        "script-src 'self'; connect-src 'self'; frame-ancestors 'none'")
+            response.headers.setdefault(
+                "Content-Security-Policy",
+                "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+            )
         if request.url.path.startswith("/api/"):
             response.headers.setdefault("Cache-Control", "no-store")
         return response
@@ -265,13 +281,23 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None,
     def api_runs():
         return store.list_runs()
 
-    @app.get("/api/runs/{run_id}", response_model=RunOut, responses={404: {"model": ErrorOut}}, tags=["api"],
-             summary="One run: config, SecAgg+ settings, status, latest checkpoint")
+    @app.get(
+        "/api/runs/{run_id}",
+        response_model=RunOut,
+        responses={404: {"model": ErrorOut}},
+        tags=["api"],
+        summary="One run: config, SecAgg+ settings, status, latest checkpoint",
+    )
     def api_run(run_id: str):
         return run_or_404(run_id)
 
-    @app.get("/api/runs/{run_id}/rounds", response_model=list[RoundOut], responses={404: {"model": ErrorOut}},
-             tags=["api"], summary="The run's aggregated metrics, participation and privacy per round")
+    @app.get(
+        "/api/runs/{run_id}/rounds",
+        response_model=list[RoundOut],
+        responses={404: {"model": ErrorOut}},
+        tags=["api"],
+        summary="The run's aggregated metrics, participation and privacy per round",
+    )
     def api_rounds(run_id: str, since: Optional[int] = Query(None, description="only rounds after this one")):
         run_or_404(run_id)
         rounds = store.get_rounds(run_id)
@@ -297,8 +323,9 @@ def create_app(store: RunStore | str | None = None, *, token: str | None = None,
         else:
             chosen = next((c for c in recorded if c["round"] == round), None)
         if chosen is None:
-            raise HTTPException(404, f"run {run_id!r} has no recorded checkpoint"
-                                     + ("" if round is None else f" for round {round}"))
+            raise HTTPException(
+                404, f"run {run_id!r} has no recorded checkpoint" + ("" if round is None else f" for round {round}")
+            )
         return _checkpoint_response(run_id, chosen, _run_folders(run_roots, run_id))
 
     app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")
@@ -333,8 +360,11 @@ def _checkpoint_response(run_id: str, checkpoint: dict, run_folders: list[Path])
         recorded = Path.cwd() / recorded
     recorded = Path(os.path.abspath(recorded))
     resolved = recorded.resolve()
-    headers = {"X-Checkpoint-Sha256": checkpoint["sha256"], "X-Checkpoint-Round": str(checkpoint["round"]),
-               "X-Head-Version": str(checkpoint["head_version"])}
+    headers = {
+        "X-Checkpoint-Sha256": checkpoint["sha256"],
+        "X-Checkpoint-Round": str(checkpoint["round"]),
+        "X-Head-Version": str(checkpoint["head_version"]),
+    }
     stem = f"{_safe_filename(run_id)}-round{checkpoint['round']}-v{checkpoint['head_version']}"
     if not any(_inside(resolved, folder) and resolved != folder for folder in run_folders):
         log.warning("refused checkpoint path outside the run folder of %r", run_id)
@@ -342,11 +372,18 @@ def _checkpoint_response(run_id: str, checkpoint: dict, run_folders: list[Path])
     if not _inside(resolved, recorded.parent.resolve()):
         raise HTTPException(404, "checkpoint path leaves its recorded location")
     if resolved.is_file():
-        return FileResponse(resolved, media_type="application/octet-stream", headers=headers,
-                            filename=f"{stem}-{_safe_filename(recorded.name)}")
+        return FileResponse(
+            resolved,
+            media_type="application/octet-stream",
+            headers=headers,
+            filename=f"{stem}-{_safe_filename(recorded.name)}",
+        )
     if resolved.is_dir():
-        return StreamingResponse(_zip_directory(resolved), media_type="application/zip",
-                                 headers={**headers, "Content-Disposition": f'attachment; filename="{stem}.zip"'})
+        return StreamingResponse(
+            _zip_directory(resolved),
+            media_type="application/zip",
+            headers={**headers, "Content-Disposition": f'attachment; filename="{stem}.zip"'},
+        )
     raise HTTPException(404, f"checkpoint of round {checkpoint['round']} is recorded but no longer on disk")
 
 
@@ -370,8 +407,9 @@ class _RedactToken(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(re.sub(r"(token=)[^&\s]*", r"\1***", a) if isinstance(a, str) else a
-                                for a in record.args)
+            record.args = tuple(
+                re.sub(r"(token=)[^&\s]*", r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
         return True
 
 
@@ -381,15 +419,23 @@ def check_bind(host: str, token: str | None) -> None:
         raise ValueError("the dashboard token is empty")
     if not _is_loopback(host):
         if not token:
-            raise ValueError(f"refusing to bind the dashboard to {host}: binding beyond 127.0.0.1 requires "
-                             f"--token or ${TOKEN_ENV}")
+            raise ValueError(
+                f"refusing to bind the dashboard to {host}: binding beyond 127.0.0.1 requires --token or ${TOKEN_ENV}"
+            )
         if len(token) < MIN_TOKEN_LENGTH:
-            raise ValueError(f"the dashboard token must be at least {MIN_TOKEN_LENGTH} characters when binding "
-                             f"to {host}")
+            raise ValueError(
+                f"the dashboard token must be at least {MIN_TOKEN_LENGTH} characters when binding to {host}"
+            )
 
 
-def serve(db: str | None = None, *, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
-          run_dir: str | Path | None = None) -> None:
+def serve(
+    db: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    token: str | None = None,
+    run_dir: str | Path | None = None,
+) -> None:
     """Run the dashboard with uvicorn until interrupted (``run_dir``: see `create_app`)."""
     import uvicorn
 
