@@ -27,6 +27,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from client import state as device_state
+from common import protocol as P
 from common.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
 
 # torch, transformers, Opacus and datasets are imported inside the handlers, not here: a deployed
@@ -109,23 +110,23 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if reason:  # never send something the secure sum would silently clip or that would poison it
         raise FedLookaheadError(f"refusing to send a malformed update: {reason}")
     metrics = {
-        "skipped": int(bool(result.skipped)),
-        "skip-reason": result.skipped,
-        "epsilon": float(result.epsilon),
-        "delta": float(result.delta),
-        "dp": int(config.dp),
-        "q": float(result.q),
-        "no-amplification": int(config.dp and result.q >= 1.0),  # q = 1: every step sees all data
-        "noise-multiplier": float(result.noise_multiplier),
-        "steps": int(result.steps),
-        "num-train-chunks": int(len(data.train)),
-        "train-seconds": float(result.seconds),
+        P.SKIPPED: int(bool(result.skipped)),
+        P.SKIP_REASON: result.skipped,
+        P.EPSILON: float(result.epsilon),
+        P.DELTA: float(result.delta),
+        P.DP: int(config.dp),
+        P.Q: float(result.q),
+        P.NO_AMPLIFICATION: int(config.dp and result.q >= 1.0),  # q = 1: every step sees all data
+        P.NOISE_MULTIPLIER: float(result.noise_multiplier),
+        P.STEPS: int(result.steps),
+        P.NUM_TRAIN_CHUNKS: int(len(data.train)),
+        P.TRAIN_SECONDS: float(result.seconds),
     }
     if result.metrics is not None:
         summary = result.metrics.summary()
-        metrics["loss"] = float(summary["loss"])
+        metrics[P.LOSS] = float(summary["loss"])
         for k, acc in enumerate(summary["head_accuracy"], start=1):
-            metrics[f"acc-{k}"] = float(acc)
+            metrics[f"{P.ACC_PREFIX}{k}"] = float(acc)
     # SecAgg+ weight: capped so weight / max_weight <= 1 (beyond, the masked sum would overflow)
     weight = 0 if result.skipped else min(len(data.train), int(config.secagg_max_weight))
     if user_level:  # every client weighs the same: one client moves the mean by at most clip / n

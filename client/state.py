@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.protocol import ROUND_KEY, RUN_KEY
+from common.protocol import ROUND_KEY, RUN_KEY, VERSION
 
 log = logging.getLogger("fedla.client")
 
@@ -225,7 +225,7 @@ def train_finished(context, fit_config: Mapping[str, Any], metrics: Mapping[str,
         run=int(context.run_id),
         round=fit_config.get(ROUND_KEY),
         weight=int(weight),
-        **{k.replace("-", "_"): v for k, v in metrics.items()},
+        metrics=dict(metrics),  # the wire's own keys (common.protocol), not renamed
     )
 
 
@@ -248,7 +248,7 @@ def evaluated(context, heads_config: Mapping[str, Any], metrics: Mapping[str, An
         "eval",
         run=int(context.run_id),
         round=server_round,
-        version=heads_config.get("head-version"),
+        version=heads_config.get(VERSION),
         final=int(final),
-        **{k.replace("-", "_"): v for k, v in metrics.items()},
+        metrics=dict(metrics),  # the wire's own keys (common.protocol), not renamed
     )

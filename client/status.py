@@ -26,6 +26,7 @@ from typing import Any
 from client.daemon.nodeconfig import NODE_CONFIG_FILE, read_node_config
 from client.state import EVENTS_FILE, HEADS_DIR_KEY, latest_heads
 from common.base import FedLookaheadError
+from common.protocol import SKIPPED
 
 PRIVATE_CACHES = ("chunks", "features")  # what `forget` deletes
 DAEMON_FILE = "daemon.json"
@@ -91,7 +92,7 @@ def _runs(state: Path) -> list[dict]:
         if kind == "train-start" and event.get("fedla_run"):
             entry["name"] = event["fedla_run"]
         elif kind == "train-done":
-            (entry["declined"] if event.get("skipped") else entry["trained"]).add(server_round)
+            (entry["declined"] if event.get("metrics", {}).get(SKIPPED) else entry["trained"]).add(server_round)
         elif kind == "heads":
             entry["heads_version"] = max(int(event.get("version", 0)), entry["heads_version"] or 0)
         elif kind == "eval" and event.get("final"):

@@ -23,17 +23,20 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from common.base import BaseModel, FedLookaheadError
 from common.heads import DraftHeads, HeadsConfig
-from common.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, ReplyError, TrainReply  # noqa: F401 - HEADS_*: re-exported
-
-# ConfigRecord keys (kebab-case like Flower's own run-config keys)
-FINGERPRINT = "base-fingerprint"
-VERSION = "head-version"
-NUM_HEADS = "num-heads"
-HIDDEN = "hidden-size"
-VOCAB = "vocab-size"
-NAMES = "param-names"
-ARCH = "heads-arch"
-DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
+from common.protocol import (  # noqa: F401 - HEADS_*: re-exported
+    ARCH,
+    DRAFT_VOCAB,
+    FINGERPRINT,
+    HEADS_CONFIG_RECORD,
+    HEADS_RECORD,
+    HIDDEN,
+    NAMES,
+    NUM_HEADS,
+    VERSION,
+    VOCAB,
+    ReplyError,
+    TrainReply,
+)
 
 
 class BaseMismatchError(FedLookaheadError):

@@ -30,6 +30,16 @@ HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages
 HEADS_CONFIG_RECORD = "heads-config"  # ConfigRecord name in native (evaluate) messages
 EVAL_METRICS_RECORD = "metrics"  # MetricRecord name of an evaluate reply
 
+# heads-config ConfigRecord keys (kebab-case like Flower's own run-config keys)
+FINGERPRINT = "base-fingerprint"
+VERSION = "head-version"
+NUM_HEADS = "num-heads"
+HIDDEN = "hidden-size"
+VOCAB = "vocab-size"
+NAMES = "param-names"
+ARCH = "heads-arch"
+DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
+
 # Flower's legacy FitRes layout (flwr.compat.common.recorddict_compat.fitres_to_recorddict)
 FITRES_PARAMETERS = "fitres.parameters"
 FITRES_METRICS = "fitres.metrics"

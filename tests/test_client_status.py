@@ -68,7 +68,9 @@ def device(tmp_path_factory, tiny_base_dir, tiny_base, one_thread):
     for run, name in ((7, "deploy-a"), (8, "deploy-b")):
         for server_round in (1, 2):
             record_event(values, "train-start", run=run, fedla_run=name, round=server_round, version=server_round - 1)
-            record_event(values, "train-done", run=run, round=server_round, skipped=0, dp=1, epsilon=1.0)
+            record_event(
+                values, "train-done", run=run, round=server_round, metrics={"skipped": 0, "dp": 1, "epsilon": 1.0}
+            )
             heads.config.version = server_round
             keep_global_heads(heads, values, run, server_round)
             record_event(

@@ -120,14 +120,10 @@ def test_the_last_round_says_the_run_finished(tmp_path):
             "event": "train-done",
             "run": 9,
             "round": 2,
-            "skipped": 0,
-            "dp": 1,
-            "epsilon": 1.0,
-            "delta": 1e-5,
-            "num_train_chunks": 3,
+            "metrics": {"skipped": 0, "dp": 1, "epsilon": 1.0, "delta": 1e-5, "num-train-chunks": 3},
         },
         {"event": "heads", "run": 9, "round": 2, "version": 2, "sha256": "cd" * 32},
-        {"event": "eval", "run": 9, "round": 2, "version": 2, "final": 1, "head_accuracy": [0.5]},
+        {"event": "eval", "run": 9, "round": 2, "version": 2, "final": 1, "metrics": {"head-accuracy": [0.5]}},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     logger.poll()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.policy import Decision
+from common import protocol as P
 
 
 def format_round(
@@ -27,32 +28,33 @@ def format_round(
     parts = []
     if train is None:
         parts.append("not sampled for training")
-    elif train.get("skipped"):
-        parts.append(f"declined training ({train.get('skip_reason') or 'skipped'}); still connected")
     else:
-        text = f"trained {int(train.get('num_train_chunks', 0))} chunks"
-        if "loss" in train:
-            text += f", loss {float(train['loss']):.3f}"
-        if "acc_1" in train:
-            text += f", head-1 acc {float(train['acc_1']):.3f}"
-        if train.get("dp"):
-            eps = float(train.get("epsilon", 0.0))
-            text += (
-                f", epsilon {eps:.3f}"
-                + (f"/{budget:g}" if budget else "")
-                + f" (delta {float(train.get('delta', 0)):g})"
-            )
-        else:
-            text += ", no DP"
-        text += f", {float(train.get('train_seconds', 0.0)):.1f}s"
-        parts.append(text)
+        parts.append(format_training(train.get("metrics", {}), budget))
     if heads is not None:
         parts.append(f"global heads v{heads['version']} kept (sha256 {str(heads.get('sha256', ''))[:12]})")
-    if evaluation is not None and evaluation.get("head_accuracy"):
-        accuracy = ", ".join(f"{float(a):.2f}" for a in evaluation["head_accuracy"])
-        tau = evaluation.get("tau")
+    metrics = (evaluation or {}).get("metrics", {})
+    if metrics.get(P.HEAD_ACCURACY):
+        accuracy = ", ".join(f"{float(a):.2f}" for a in metrics[P.HEAD_ACCURACY])
+        tau = metrics.get(P.TAU)
         parts.append(f"local eval acc [{accuracy}]" + (f" tau {float(tau):.2f}" if tau is not None else ""))
     return f"round {round_no} (run {run}): " + "; ".join(parts)
+
+
+def format_training(metrics: dict, budget: float | None) -> str:
+    """A train reply's metrics (common.protocol keys) as the daemon reports them."""
+    if metrics.get(P.SKIPPED):
+        return f"declined training ({metrics.get(P.SKIP_REASON) or 'skipped'}); still connected"
+    text = f"trained {int(metrics.get(P.NUM_TRAIN_CHUNKS, 0))} chunks"
+    if P.LOSS in metrics:
+        text += f", loss {float(metrics[P.LOSS]):.3f}"
+    if f"{P.ACC_PREFIX}1" in metrics:
+        text += f", head-1 acc {float(metrics[f'{P.ACC_PREFIX}1']):.3f}"
+    if metrics.get(P.DP):
+        budget_text = f"/{budget:g}" if budget else ""
+        text += f", epsilon {float(metrics.get(P.EPSILON, 0.0)):.3f}{budget_text} (delta {float(metrics.get(P.DELTA, 0)):g})"
+    else:
+        text += ", no DP"
+    return text + f", {float(metrics.get(P.TRAIN_SECONDS, 0.0)):.1f}s"
 
 
 def run_finished(run, version) -> str:
