@@ -6,7 +6,7 @@
   (fp32 safetensors, tokenizer, generation config) under $FEDLA_HOME, so every other command loads
   it like any local checkpoint. A GGUF-loaded model refuses `save_pretrained`, so its weights are
   copied into a fresh `LlamaForCausalLM` built from the same config without the quantization entry.
-* ``toy``: a ~4M-parameter Llama with a byte-level BPE tokenizer, pretrained in minutes on the Python
+* ``toy``: a ~4M-parameter Llama with a byte-level BPE tokenizer, pretrained in about 8 minutes on 2 idle cores on the Python
   standard library's sources (train split). For quick runs only: it cannot really write code.
 
 A folder named by a hash of its recipe keeps a changed recipe from reusing a stale model.
@@ -232,7 +232,11 @@ def ensure_named_base(name: str = DEFAULT_BASE, force: bool = False) -> Path:
     """The directory of a named embedded base (`smollm2` or `toy`), built on first use (or anew with `force`)."""
     recipes = {  # name -> (folder, builder, what building it means)
         "smollm2": (default_base_dir, convert_smollm2, "converting SmolLM2-135M-Instruct from the wheel (once)"),
-        "toy": (toy_base_dir, build_toy_base, "building it (a few minutes, once)"),
+        "toy": (
+            toy_base_dir,
+            build_toy_base,
+            "building it (once: about 8 minutes on 2 idle cores, far longer on a busy machine)",
+        ),
     }
     if name not in recipes:
         raise FedLookaheadError(f"unknown named base {name!r}: use {' or '.join(NAMED_BASES)}")
