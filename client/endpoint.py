@@ -57,10 +57,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.state import read_heads_meta
 from common.base import BaseModel, FedLookaheadError, load_base
-from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult
-from common.decoding.calibration import cost_curve
-from common.decoding.core import Stopper, Timer, check_prompt, check_sampling, make_generator
-from common.decoding.decoders import UnsupportedCache, ams_decode, greedy_decode
+from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
+from common.decoding.core import Stopper, check_prompt, check_sampling
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 
 log = logging.getLogger("fedla.endpoint")
@@ -238,38 +236,20 @@ def decode(
     stopper: Stopper,
     policy: AmsPolicy,
 ) -> GenerationResult:
-    """common.decoding.generate's "ams" path (plain decoding without heads), with the caller's Stopper.
-
-    generate() builds its own Stopper, which is why the endpoint calls the decoders itself: its
-    StreamingStopper is what makes streaming incremental. `heads` come from DraftHeads.load for
-    this very base, so generate()'s fingerprint check and rebinding are already done.
-    """
-    temperature, top_p, seed = sampling.temperature, sampling.top_p, sampling.seed
+    """AMS-LD with the heads (plain decoding without them), ended by the endpoint's own Stopper."""
     tree_attention = getattr(base.model.config, "_attn_implementation", "eager") in TREE_ATTENTION
-    mode = "ams" if heads is not None and tree_attention else "greedy"
-    curve = cost_curve(base) if mode == "ams" and policy.cost_aware else None  # cached; outside the timer
-    generator = make_generator(base.device, seed)
-    with Timer(base.device) as timer:
-        if mode == "ams":
-            try:
-                tokens, forwards, reason, stats = ams_decode(
-                    base,
-                    ids,
-                    heads,
-                    policy,
-                    stopper,
-                    temperature,
-                    top_p,
-                    generator,
-                    curve,
-                    reproducible=temperature > 0 and seed is not None,
-                )
-            except UnsupportedCache:  # raised after the prefill, before any token is admitted
-                mode, generator = "greedy", make_generator(base.device, seed)
-        if mode == "greedy":
-            tokens, forwards, reason, stats = greedy_decode(base, ids, stopper, temperature, top_p, generator)
-    text = base.tokenizer.decode(tokens, skip_special_tokens=True)
-    return GenerationResult(tokens, text, forwards, timer.seconds, reason, mode, stats)
+    return generate(
+        base,
+        ids,
+        mode="ams" if heads is not None and tree_attention else "greedy",
+        heads=heads,
+        max_new_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        policy=policy,
+        seed=sampling.seed,
+        stopper=stopper,
+    )
 
 
 Prompt = str | list[dict[str, str]]  # completion text, or chat messages

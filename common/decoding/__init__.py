@@ -121,11 +121,14 @@ def generate(
     policy: AmsPolicy | None = None,
     seed: int | None = None,
     curve: CostCurve | None = None,
+    stopper: Stopper | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` (batch size 1); see the module docstring.
 
     `curve`: the device's verify cost curve for the cost-aware tree (default: measured once per
     device and cached, see calibration.py); unused unless `policy.cost_aware`.
+    `stopper`: a caller's Stopper (the endpoint's streaming one, which sees every accepted step) in
+    place of the one built from max_new_tokens, stop_strings and degeneration_guard.
     """
     if mode not in MODES:
         raise FedLookaheadError(f"unknown decoding mode {mode!r}: use one of {', '.join(MODES)}")
@@ -146,7 +149,7 @@ def generate(
         )
         mode = "greedy"
     room = base.max_positions - ids.shape[1]
-    stopper = Stopper(base, max_new_tokens, stop_strings, degeneration_guard, room)
+    stopper = stopper or Stopper(base, max_new_tokens, stop_strings, degeneration_guard, room)
     generator = make_generator(base.device, seed)
     if max_new_tokens == 0:
         return GenerationResult([], "", 0, 0.0, "max_new_tokens", mode)
