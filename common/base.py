@@ -70,6 +70,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the names commands accept
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU; bf16 on CUDA where supported, else fp16."""
     if device.type != "cuda":

@@ -11,9 +11,9 @@ import signal
 from pathlib import Path
 from typing import NoReturn, Optional
 
-import torch
 import typer
 
+from common.base import DTYPES as base_dtypes
 from common.base import BaseModel, FedLookaheadError, load_base
 
 
@@ -23,7 +23,7 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"auto": None, **base_dtypes}
 DTYPE_HELP = (
     "auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
     "weights, and losslessness is judged against the base in that dtype."

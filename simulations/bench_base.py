@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.base import BaseModel, load_base
+from common.base import DTYPES, BaseModel, load_base
 from common.data import chunk_files, prompts_from_files, stdlib_files
 from common.decoding.calibration import measure_cost_curve
 from common.default_model import ensure_default_base
@@ -42,9 +42,6 @@ def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int
         seconds += time.perf_counter() - started
         tokens += out.shape[1] - ids.shape[1]
     return tokens / seconds
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @torch.no_grad()

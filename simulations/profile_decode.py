@@ -24,15 +24,13 @@ from typing import Callable, Iterator
 import torch
 
 import common.decoding.decoders as decoders
-from common.base import BaseModel, load_base
+from common.base import DTYPES, BaseModel, load_base
 from common.data import prompts_from_files, stdlib_files
 from common.decoding import generate
 from common.decoding.core import BaseRunner
 from common.decoding.drafting import HeadsTreeDrafter
 from common.default_model import resolve_base
 from common.heads import DraftHeads
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _timed(seconds: dict[str, float], part: str, fn: Callable, device: torch.device) -> Callable:
