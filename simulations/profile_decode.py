@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 import common.decoding.decoders as decoders
-from common.base import DTYPES, BaseModel, load_base
+from common.base import DTYPES, BaseModel, FedLookaheadError, load_base
 from common.data import prompts_from_files, stdlib_files
 from common.decoding import generate
 from common.decoding.core import BaseRunner
@@ -110,8 +110,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = load_base(resolve_base(args.base), dtype=DTYPES[args.dtype])
-    heads = DraftHeads.load(args.heads, base)
+    try:
+        base = load_base(resolve_base(args.base), dtype=DTYPES[args.dtype])
+        heads = DraftHeads.load(args.heads, base)
+    except FedLookaheadError as exc:
+        parser.error(str(exc))  # one line, exit 2
     prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, args.prompts, args.prompt_tokens)
     report = {
         "dtype": args.dtype,
