@@ -407,10 +407,11 @@ def _sigma(target_epsilon: float, delta: float, q: float, steps: int) -> float:
 
 
 def trainable_parameters(heads: DraftHeads, which: str = "all") -> list[torch.nn.Parameter]:
-    """The head parameters a round trains (`dp-trainable`: all | fusion | blocks); the rest stay frozen,
-    so under DP-SGD the same noise is spread over fewer coordinates (issue 12)."""
+    """The head parameters a round trains (`dp-trainable`: all | fusion | blocks, the eagle layer counting
+    as the blocks); the rest stay frozen, so under DP-SGD the same noise is spread over fewer coordinates."""
+    prefix = "layer" if which == "blocks" and heads.eagle else which
     for name, parameter in heads.named_parameters():
-        parameter.requires_grad_(which == "all" or name.startswith(which))
+        parameter.requires_grad_(which == "all" or name.startswith(prefix))
     return [p for p in heads.parameters() if p.requires_grad]
 
 
@@ -502,6 +503,7 @@ def train_round(
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(state.history)  # continue the run's accountant, not a fresh one
     optimizer = torch.optim.AdamW(trainable, lr=config.lr)  # the heads only: the base is frozen
+    heads.train()  # Opacus refuses a module in eval mode, which is how the previous round left it
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message=".*full_backward_hook.*")

@@ -62,7 +62,9 @@ def train_heads_cmd(
     epochs: int = typer.Option(4, min=1, help="Passes over the data (training stops at --max-minutes in any case)."),
     num_heads: int = typer.Option(4, min=1, max=16, help="K lookahead heads."),
     arch: str = typer.Option(
-        "recurrent", help="recurrent (each step fuses the token drafted before) | parallel (Medusa)."
+        "recurrent",
+        help="recurrent (each step fuses the token drafted before) | parallel (Medusa) | "
+        "eagle (fusion + one decoder layer shaped like the base's, drafting on its own features).",
     ),
     draft_vocab: int = typer.Option(
         DEFAULT_DRAFT_VOCAB, min=0, help="Heads score only this many most frequent greedy tokens (0: all)."
@@ -90,7 +92,7 @@ def train_heads_cmd(
     from common.training import fit_heads
 
     if arch not in ARCHITECTURES:
-        fail(f"unknown --arch {arch!r}: use {' or '.join(ARCHITECTURES)}")
+        fail(f"unknown --arch {arch!r}: use one of {', '.join(ARCHITECTURES)}")
     check_output_path(out, "dir")
     try:
         for folder in (data, eval_data):

@@ -65,7 +65,9 @@ class FedConfig:
         0.1, "dp-level=user: L2 bound of one client's update per round (Flower's fixedclipping_mod)"
     )
     dp_trainable: str = _knob(
-        "all", "head parameters trained on clients: all | fusion | blocks (fewer parameters under noise)"
+        "all",
+        "head parameters trained on clients: all | fusion | blocks (fewer parameters under noise); "
+        "for eagle heads, blocks is the decoder layer",
     )
 
     # server-side optimiser over the (secure) mean update

@@ -10,7 +10,10 @@
 That is the default `recurrent` architecture: each step fuses the token drafted at the step before
 (EAGLE's idea at the cost of one linear layer instead of a decoder layer), so the heads' candidates
 for step k+1 depend on the candidate they extend. The `parallel` architecture is Medusa's: one fusion
-with x_{t+1}, then every head k reads f_1 (s_k = Block_k(f_1)) and the drafts form a lattice.
+with x_{t+1}, then every head k reads f_1 (s_k = Block_k(f_1)) and the drafts form a lattice. The
+`eagle` architecture is EAGLE's: the fusion followed by one causal decoder layer shaped like the base's
+(common/eagle.py), which attends over the whole context and drafts K steps on its own predicted
+features; while decoding it keeps a key/value cache of the context (`new_cache`, `commit`).
 
 The LM head used for drafting is the base's own frozen LM head restricted to a draft vocabulary
 (FR-Spec / EAGLE-3): the N most frequent tokens of the base's greedy output on public data (see
@@ -32,11 +35,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from common.base import BaseModel, FedLookaheadError
+from common.eagle import GEOMETRY_KEYS, ContextCache, DecoderLayer, layer_geometry, layer_shapes
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
-ARCHITECTURES = ("recurrent", "parallel")
+ARCHITECTURES = ("recurrent", "parallel", "eagle")
 MAX_HEADS = 16  # a config asking for more is refused before anything is allocated
+DraftState = torch.Tensor | tuple[torch.Tensor, ...]  # per drafted row; eagle: (feature, path keys, path values)
 
 
 @dataclass
@@ -48,6 +53,7 @@ class HeadsConfig:
     version: int = 0  # bumped by every federated round that produces these heads
     arch: str = "recurrent"
     draft_vocab: list[int] = field(default_factory=list)  # [] = the base's whole vocabulary
+    layer: dict[str, float] = field(default_factory=dict)  # eagle: the decoder layer's geometry (from the base)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +79,20 @@ class HeadsConfig:
             raise FedLookaheadError("bad heads config: draft_vocab must be a list of token ids")
         if vocab and (min(vocab) < 0 or max(vocab) >= self.vocab_size or len(set(vocab)) != len(vocab)):
             raise FedLookaheadError(f"bad heads config: draft_vocab needs distinct ids in [0, {self.vocab_size})")
+        layer = self.layer
+        if self.arch != "eagle":
+            if layer:
+                raise FedLookaheadError(f"bad heads config: {self.arch} heads have no decoder layer")
+            return
+        if not isinstance(layer, dict) or set(layer) != set(GEOMETRY_KEYS):
+            raise FedLookaheadError(f"bad heads config: eagle heads need layer {{{', '.join(GEOMETRY_KEYS)}}}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in layer.values()):
+            raise FedLookaheadError("bad heads config: the layer's geometry must be positive numbers")
+        heads, kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+        if self.hidden_size % heads or heads % kv_heads or (self.hidden_size // heads) % 2:
+            raise FedLookaheadError(
+                f"bad heads config: layer geometry {layer} does not fit hidden size {self.hidden_size}"
+            )
 
     @property
     def draft_size(self) -> int:
@@ -87,7 +107,7 @@ class HeadsConfig:
         if not isinstance(data, dict):
             raise FedLookaheadError("bad heads config: expected a JSON object")
         required = {"num_heads", "hidden_size", "vocab_size", "base_fingerprint"}
-        known = required | {"version", "arch", "draft_vocab"}
+        known = required | {"version", "arch", "draft_vocab", "layer"}
         if required - set(data) or set(data) - known:
             raise FedLookaheadError(
                 f"bad heads config: missing {sorted(required - set(data))}, unknown {sorted(set(data) - known)}"
@@ -139,7 +159,10 @@ class DraftHeads(nn.Module):
             )
         self.config = config
         self.fusion = FusionHead(config.hidden_size)
-        self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+        if self.eagle:
+            self.layer = DecoderLayer(config.hidden_size, config.layer)
+        else:
+            self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
         self.to(device=base.device, dtype=base.dtype)
         self.bind(base)
 
@@ -176,6 +199,7 @@ class DraftHeads(nn.Module):
             base.fingerprint,
             arch=arch,
             draft_vocab=list(draft_vocab or []),
+            layer=layer_geometry(base.model.config) if arch == "eagle" else {},
         )
         return cls(config, base)
 
@@ -187,24 +211,52 @@ class DraftHeads(nn.Module):
     def recurrent(self) -> bool:
         return self.config.arch == "recurrent"
 
+    @property
+    def eagle(self) -> bool:
+        return self.config.arch == "eagle"
+
     def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (..., N) of head states (..., d)."""
         weight = self.draft_weight
         return nn.functional.linear(states.to(weight.dtype), weight, self.draft_bias)
 
-    def step(self, tokens: torch.Tensor, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lookahead step k (1-based): the token at t+k and the state before it -> (next state, head state).
+    def _fuse(self, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        dtype = self.fusion.proj.weight.dtype
+        return self.fusion(self.embed(tokens).to(dtype), states.to(dtype))
 
-        For k = 1 the state is the base's h_t. The head state s_k gives the logits for x_{t+k+1}; the
-        next state is what step k+1 reads: s_k (recurrent) or f_1 (parallel, every head reads f_1).
+    def step(
+        self, tokens: torch.Tensor, states: DraftState, k: int, cache: ContextCache | None = None
+    ) -> tuple[DraftState, torch.Tensor]:
+        """Lookahead step k (1-based) of B drafted rows: the tokens at t+k and the states before them ->
+        (next states, head states (B, d)). The head state s_k gives the logits for x_{t+k+1}.
+
+        For k = 1 the states are the base's h_t (B, d). The next state is what step k+1 reads: s_k
+        (recurrent), f_1 (parallel, every head reads f_1), or for eagle (s_k, path keys, path values),
+        the layer's output and each row's speculative ancestors in the `cache`d context.
         """
-        if k == 1 or self.recurrent:
-            dtype = self.fusion.proj.weight.dtype
-            fused = self.fusion(self.embed(tokens).to(dtype), states.to(dtype))
-        else:
-            fused = states
+        if self.eagle:
+            feature, path_keys, path_values = states if isinstance(states, tuple) else (states, None, None)
+            fused = self._fuse(tokens, feature).unsqueeze(0)
+            path = (None, None) if path_keys is None else (path_keys.unsqueeze(0), path_values.unsqueeze(0))
+            out, path_keys, path_values = self.layer.speculative(fused, cache.keys, cache.values, None, *path)
+            return (out[0], path_keys[0], path_values[0]), out[0]
+        fused = self._fuse(tokens, states) if k == 1 or self.recurrent else states
         head_state = self.blocks[k - 1](fused)
         return (head_state if self.recurrent else fused), head_state
+
+    def new_cache(self) -> ContextCache | None:
+        """An empty context cache for one generation (None: these heads read no context)."""
+        return self.layer.empty_cache() if self.eagle else None
+
+    def commit(self, cache: ContextCache, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Eagle: add real rows (the base's h_t (n, d) and the chosen x_{t+1} (n,)) to the context.
+
+        Returns their states (n, d); the last row's is the first lookahead step from it.
+        """
+        out, cache.keys, cache.values = self.layer.real(
+            self._fuse(tokens, hidden).unsqueeze(0), cache.keys, cache.values
+        )
+        return out[0]
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced training pass: hidden (B, L, d) and tokens (B, L) -> K logits (B, L-1, N).
@@ -214,12 +266,27 @@ class DraftHeads(nn.Module):
         """
         length = tokens.shape[1]
         positions = torch.arange(length - 1, device=tokens.device)
+        if self.eagle:
+            return self._eagle_forward(hidden, tokens, positions)
         states = hidden[:, :-1]
         logits = []
         for k in range(1, self.num_heads + 1):
             step_tokens = tokens[:, (positions + k).clamp_max(length - 1)]
             states, head_state = self.step(step_tokens, states, k)
             logits.append(self.draft_logits(head_state))
+        return logits
+
+    def _eagle_forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Step 1 is real rows under a causal mask; step k >= 2 is speculative rows that see the real rows
+        <= t and their own steps 2..k (training-time test: the same view as drafting depth k)."""
+        length = tokens.shape[1]
+        state, keys, values = self.layer.real(self._fuse(tokens[:, 1:], hidden[:, :-1]))
+        visible = positions.view(1, -1) <= positions.view(-1, 1)
+        logits, path_keys, path_values = [self.draft_logits(state)], None, None
+        for k in range(2, self.num_heads + 1):
+            fused = self._fuse(tokens[:, (positions + k).clamp_max(length - 1)], state)
+            state, path_keys, path_values = self.layer.speculative(fused, keys, values, visible, path_keys, path_values)
+            logits.append(self.draft_logits(state))
         return logits
 
     def num_trainable(self) -> int:
@@ -268,6 +335,8 @@ def expected_shapes(config: HeadsConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape for a config, without building the heads."""
     d = config.hidden_size
     shapes = {"fusion.proj.weight": (d, 2 * d), "fusion.proj.bias": (d,)}
+    if config.arch == "eagle":
+        return shapes | {f"layer.{name}": shape for name, shape in layer_shapes(d, config.layer).items()}
     for k in range(config.num_heads):
         shapes[f"blocks.{k}.linear.weight"] = (d, d)
         shapes[f"blocks.{k}.linear.bias"] = (d,)

@@ -14,6 +14,7 @@ Both sides use this module, so the wire format has one definition:
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any, Mapping
 
@@ -30,6 +31,7 @@ from common.protocol import (  # noqa: F401 - HEADS_*: re-exported
     HEADS_CONFIG_RECORD,
     HEADS_RECORD,
     HIDDEN,
+    LAYER,
     NAMES,
     NUM_HEADS,
     VERSION,
@@ -78,6 +80,7 @@ def heads_config_dict(heads: DraftHeads) -> dict[str, Any]:
         NAMES: ",".join(heads.state_dict().keys()),
         ARCH: cfg.arch,
         DRAFT_VOCAB: ",".join(map(str, cfg.draft_vocab)),
+        LAYER: json.dumps(cfg.layer) if cfg.layer else "",
     }
 
 
@@ -110,6 +113,11 @@ def heads_from_config(config: Mapping[str, Any], base: BaseModel) -> DraftHeads:
         draft_vocab = [int(t) for t in vocab.split(",")] if vocab else []
     except ValueError as exc:
         raise FedLookaheadError("the server's draft vocabulary is not a list of token ids") from exc
+    layer = str(config.get(LAYER, "") or "")
+    try:
+        geometry = json.loads(layer) if layer else {}
+    except json.JSONDecodeError as exc:
+        raise FedLookaheadError("the server's heads layer geometry is not a JSON object") from exc
     heads = DraftHeads(
         HeadsConfig(
             int(config[NUM_HEADS]),
@@ -119,6 +127,7 @@ def heads_from_config(config: Mapping[str, Any], base: BaseModel) -> DraftHeads:
             int(config[VERSION]),
             arch=str(config.get(ARCH, "recurrent")),
             draft_vocab=draft_vocab,
+            layer=geometry,
         ),
         base,
     )

@@ -39,6 +39,7 @@ VOCAB = "vocab-size"
 NAMES = "param-names"
 ARCH = "heads-arch"
 DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
+LAYER = "heads-layer"  # eagle heads: the decoder layer's geometry as a JSON object ("" for other architectures)
 
 # Flower's legacy FitRes layout (flwr.compat.common.recorddict_compat.fitres_to_recorddict)
 FITRES_PARAMETERS = "fitres.parameters"

@@ -547,7 +547,7 @@ def test_drafter_candidates_are_the_heads_own_top_k_step_by_step(models):
     k = 3
     drafter = HeadsTreeDrafter(heads, AmsPolicy(top_k=k, beam=2))
     hidden, token = torch.randn(base.hidden_size), torch.tensor(17)
-    values = drafter.draft_inputs(hidden, token).tolist()
+    values = drafter.draft_inputs(hidden.view(1, -1), token.view(1)).tolist()
     m = len(values) // 3
     tokens, parents, logp = values[:m], values[m : 2 * m], values[2 * m :]
     assert m == k + 2 * k * (heads.num_heads - 1)

@@ -3,7 +3,8 @@
 All loops run batch size 1, under inference mode, with the base's body and LM head called directly
 on a DynamicCache. Per step the AMS-LD loop makes exactly one host-device synchronisation: the
 `.tolist()` that brings back the accepted node, the bonus token and the heads' candidates for the
-next tree together.
+next tree together. Eagle heads add one: their layer commits every accepted position to its context
+before drafting, so the accepted path must be known first.
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ def ams_decode(
     sampling = temperature > 0
     max_positions = base.max_positions
 
-    hidden = runner.forward(ids)[0, -1]
+    prompt_hidden = runner.forward(ids)[0]
     if not runner.plain_cache():
         raise UnsupportedCache(f"cache layers {sorted({type(layer).__name__ for layer in runner.cache.layers})}")
-    first = _first_token(runner.logits(hidden), temperature, top_p, generator)
-    packed = torch.cat([first.view(1).double(), drafter.draft_inputs(hidden, first)]).tolist()
+    first = _first_token(runner.logits(prompt_hidden[-1]), temperature, top_p, generator)
+    draft = drafter.draft_inputs(prompt_hidden, torch.cat([ids[0, 1:], first.view(1)]))
+    packed = torch.cat([first.view(1).double(), draft]).tolist()
     root, values = int(packed[0]), packed[1:]
     context = ids[0].tolist()
-    drafter.reset(context)
     tokens: list[int] = []
     reason = stopper.admit(tokens, [root])
     context.append(root)
@@ -110,7 +111,13 @@ def ams_decode(
             best, bonus = sample_accept(spec, tokens_t, probs, uniforms, generator)
         else:
             best, bonus = greedy_verify(spec, tokens_t, hidden, runner.lm_head)
-        draft = drafter.draft_inputs(row(hidden, best), bonus)
+        if heads.eagle:  # its layer reads every accepted position: the path is needed now (a second sync)
+            accepted_nodes = list(spec.paths[int(best)])
+            draft = drafter.draft_inputs(
+                hidden[accepted_nodes], torch.cat([tokens_t[accepted_nodes[1:]], bonus.view(1)])
+            )
+        else:
+            draft = drafter.draft_inputs(row(hidden, best).view(1, -1), bonus.view(1))
         packed = torch.cat([torch.stack([best, bonus]).double(), draft]).tolist()  # the step's one sync
         path = spec.paths[int(packed[0])]
         root, values = int(packed[1]), packed[2:]
@@ -148,7 +155,11 @@ def fused_decode(
     m, alpha = max(1, policy.fused_top_m), policy.fused_alpha
     tokens: list[int] = []
     forwards = 0
-    hidden = runner.forward(ids)[0, -1]
+    prompt_hidden = runner.forward(ids)[0]
+    hidden = prompt_hidden[-1]
+    cache = heads.new_cache()  # eagle: the context before position t, which the candidates for x_{t+1} attend
+    if cache is not None:
+        heads.commit(cache, prompt_hidden[:-1], ids[0, 1:])
     reason = None
     while True:
         logits = runner.logits(hidden).float()
@@ -157,7 +168,7 @@ def fused_decode(
         else:
             logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, m)
-        _, head_state = heads.step(top.indices, hidden.view(1, -1).expand(m, -1), 1)
+        _, head_state = heads.step(top.indices, hidden.view(1, -1).expand(m, -1), 1, cache)
         head_logits = heads.draft_logits(head_state).float()  # (m, N): head 1 after fusing each candidate
         confidence = head_logits.max(-1).values - torch.logsumexp(head_logits, dim=-1)  # log p_head1(top token)
         score = top.values + alpha * confidence
@@ -169,6 +180,8 @@ def fused_decode(
         reason = stopper.admit(tokens, [int(token)])
         if reason is not None:
             break
+        if cache is not None:
+            heads.commit(cache, hidden.view(1, -1), token.view(1))
         hidden = runner.forward(token.view(1, 1))[0, -1]
         forwards += 1
     return tokens, forwards, reason, {}

@@ -4,7 +4,8 @@ The decoder talks to a drafter through a small interface, in the spirit of trans
 `CandidateGenerator` (`get_candidates` / `update_candidate_strategy`), split in two so that the
 device work runs before the one host-device synchronisation of a step:
 
-    draft_inputs(hidden, token) -> device tensor   the heads' candidate lattice, queued on the device
+    draft_inputs(hidden, tokens) -> device tensor  the newly verified rows in; the heads' candidate
+                                                   lattice out, queued on the device
     propose(root, values, context, max_depth) -> (tokens, parents)   on the host: choose the tree
     feedback(accepted, seconds)                    after verification: update the acceptance estimates
 
@@ -33,7 +34,14 @@ from typing import Sequence
 import torch
 
 from common.decoding.calibration import CostCurve
-from common.heads import DraftHeads
+from common.heads import DraftHeads, DraftState
+
+
+def _take(states: DraftState, index: torch.Tensor) -> DraftState:
+    """Rows `index` of a drafting state (a tensor, or eagle's tuple whose path may still be None)."""
+    if isinstance(states, tuple):
+        return tuple(None if s is None else s[index] for s in states)
+    return states[index]
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,7 @@ class HeadsTreeDrafter:
         self.ngram = NgramIndex(policy.ngram_sizes) if policy.ngram else None
         self.ngram_len = policy.ngram_init_len
         self.acceptance = AcceptanceModel(max(self.head_depth, 1), policy.ngram_max_len, policy.prior_steps)
+        self.cache = self.heads.new_cache() if self.heads is not None else None  # eagle: the drafter's context
         self._tree: list[Candidate] = []
         self._chain: list[int] = []
         self._idle = 0  # steps since the last tree that paid; the heads are skipped while idle
@@ -214,22 +223,35 @@ class HeadsTreeDrafter:
     def _heads_due(self) -> bool:
         return self._idle == 0 or self._idle % self.policy.probe_every == 0
 
-    def draft_inputs(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    def draft_inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Device tensor [tokens | parents | log path probabilities] of the heads' candidates (no sync).
 
-        Depth 1 expands the root by its top_k; every further depth expands the `beam` best
-        candidates of the depth before (by path probability), each by its own top_k.
+        `hidden` (n, d): the base's states at the positions verified since the last call (the prompt,
+        then each accepted path); `tokens` (n,): the token chosen after each. Heads with a context
+        (eagle) commit them all; the others read only the last row. Depth 1 expands the last row by its
+        top_k; every further depth expands the `beam` best candidates of the depth before (by path
+        probability), each by its own top_k.
         """
         heads, depth_limit = self.heads, self.head_depth
-        if heads is None or depth_limit == 0 or not self._heads_due():
+        if heads is None or depth_limit == 0:
             return hidden.new_zeros(0, dtype=torch.float64)
+        if heads.eagle:  # the context must stay whole even on steps that draft nothing
+            head_state = heads.commit(self.cache, hidden, tokens)[-1:]
+        if not self._heads_due():
+            return hidden.new_zeros(0, dtype=torch.float64)
+        states: DraftState
+        if heads.eagle:
+            states = (head_state, None, None)
+        else:
+            states, head_state = heads.step(tokens[-1:], hidden[-1:], 1)
         k = self.policy.top_k
         draft_ids = heads.draft_ids
-        tokens, states, cum = token.view(1), hidden.view(1, -1), hidden.new_zeros(1, dtype=torch.float32)
+        cum = hidden.new_zeros(1, dtype=torch.float32)
         parents = torch.full((1,), -1, dtype=torch.long, device=hidden.device)
         offset, out_tokens, out_parents, out_logp = 0, [], [], []
         for depth in range(1, depth_limit + 1):
-            states, head_state = heads.step(tokens, states, depth)
+            if depth > 1:
+                states, head_state = heads.step(tokens, states, depth, self.cache)
             logp = torch.log_softmax(heads.draft_logits(head_state).float(), dim=-1)
             top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
             width = top.indices.shape[1]
@@ -243,7 +265,7 @@ class HeadsTreeDrafter:
                 break
             keep = torch.topk(cand_logp, min(self.policy.beam, len(cand_logp))).indices
             tokens, cum = cand_tokens[keep], cand_logp[keep]
-            states = states.repeat_interleave(width, dim=0)[keep]
+            states = _take(states, keep // width)  # each kept candidate continues its parent's state
             parents = keep + offset  # global candidate index of each kept node
             offset += len(cand_logp)
         return torch.cat(
