@@ -21,6 +21,10 @@ from server.store import RunStore
 
 log = logging.getLogger("flwr.fedla.server")
 
+PRIVACY_UTILITY_FILE = (
+    "privacy_utility.json"  # a privacy-utility benchmark this run was part of (the dashboard plots it)
+)
+
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """(round, folder) of the newest complete checkpoint under `run_dir`/checkpoints, None if there is none."""

@@ -530,7 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         payload = round_floats(
             {**result, "meta": {**meta, "seconds": timings, "total_seconds": time.perf_counter() - started}}
         )
-        out_json.write_text(json.dumps(payload, indent=1))
+        from server.recorder import PRIVACY_UTILITY_FILE
+
+        text = json.dumps(payload, indent=1)
+        out_json.write_text(text)
+        for run_dir in federated_run_dirs(payload):  # so the dashboard shows the curve on each run's page
+            (run_dir / PRIVACY_UTILITY_FILE).write_text(text)
         try:
             if result.get("dp"):
                 plot(payload, out_json.with_suffix(".png"))
@@ -651,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {out_json} and {out_json.with_suffix('.png')} in {time.perf_counter() - started:.0f}s")
     print(table(json.loads(out_json.read_text())))
     return 0
+
+
+def federated_run_dirs(result: dict) -> list[Path]:
+    """The run folders of the federated configurations in a result (those that exist)."""
+    entries = [result.get("federated_nodp") or {}]
+    entries += list(result.get("dp", {}).values()) + list(result.get("user_dp", {}).values())
+    return [Path(e["run_dir"]) for e in entries if e.get("run_dir") and Path(e["run_dir"]).is_dir()]
 
 
 def table(result: dict) -> str:

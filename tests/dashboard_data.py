@@ -4,6 +4,7 @@ replaces it): written only through the RunStore API, shaped like what the Server
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 from pathlib import Path
@@ -117,3 +118,18 @@ def fill_realistic_run(
             store.record_checkpoint(run_id, r, head_version=r, path=str(directory), size_bytes=size, sha256=sha)
     if finish:
         store.finish_run(run_id, "finished")
+
+
+def write_privacy_utility(folder: Path, run_id: str) -> None:
+    """A privacy-utility benchmark JSON (simulations/privacy_utility.py's shape) left in a run's folder."""
+    entry = lambda tau, run="elsewhere": {"tau_heads_only": tau, "acc": [0.3], "run_dir": f"/runs/{run}"}  # noqa: E731
+    result = {
+        "clients": 6,
+        "rounds": 3,
+        "public_only": entry(1.48),
+        "central_nodp": entry(1.54),
+        "federated_nodp": entry(1.47),
+        "dp": {"8": entry(1.49, run_id), "1": entry(1.40), "2": entry(1.44), "4": entry(1.46)},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "privacy_utility.json").write_text(json.dumps(result))

@@ -18,7 +18,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's note about httpx vs httpx2
     from fastapi.testclient import TestClient
 
-from dashboard_data import SECAGG, fill_realistic_run, write_checkpoint
+from dashboard_data import SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
 
 from common.protocol import RoundRecord
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
@@ -68,7 +68,12 @@ def test_api_runs_run_and_rounds(client, filled):
 
 def test_openapi_documents_the_api(client):
     spec = client.get("/openapi.json").json()
-    assert set(spec["paths"]) == {"/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/rounds"}
+    assert set(spec["paths"]) == {
+        "/api/runs",
+        "/api/runs/{run_id}",
+        "/api/runs/{run_id}/rounds",
+        "/api/runs/{run_id}/privacy-utility",
+    }
     ok = spec["paths"]["/api/runs/{run_id}/rounds"]["get"]["responses"]["200"]["content"]["application/json"]
     assert ok["schema"]["items"]["$ref"].endswith("/RoundOut")
     assert "404" in spec["paths"]["/api/runs/{run_id}"]["get"]["responses"]
@@ -80,6 +85,7 @@ def test_openapi_documents_the_api(client):
         "ParticipationOut",
         "PrivacyOut",
         "CheckpointOut",
+        "PrivacyUtilityOut",
     } <= set(spec["components"]["schemas"])
     assert all(set(methods) == {"get"} for methods in spec["paths"].values())
 
@@ -302,3 +308,20 @@ def test_unbounded_epsilon_is_null(store):
     client = TestClient(create_app(store))
     assert client.get("/api/runs/nodp/rounds").json()[0]["privacy"]["epsilon_max"] is None
     assert client.get("/runs/nodp").status_code == 200
+
+
+def test_privacy_utility_curve_of_a_benchmark_run(client, tmp_path):
+    write_privacy_utility(tmp_path / "run-20", "run-20")
+    curve = client.get("/api/runs/run-20/privacy-utility").json()
+    assert curve["epsilon"] == [1.0, 2.0, 4.0, 8.0] and curve["dp"] == [1.40, 1.44, 1.46, 1.49]
+    assert curve["references"] == {"public_only": 1.48, "federated_nodp": 1.47, "central_nodp": 1.54}
+    assert curve["this_run"] == {"kind": "dp", "epsilon": 8.0, "tau": 1.49}
+    assert 'id="chart-privacy-utility"' in client.get("/runs/run-20").text
+    # a run that was not part of a benchmark has no curve and no such plot
+    assert client.get("/api/runs/run-new/privacy-utility").status_code == 404
+    assert "chart-privacy-utility" not in client.get("/runs/run-new").text
+    # a damaged benchmark file costs the plot, never the page
+    (tmp_path / "run-20" / "privacy_utility.json").write_text("{not json")
+    assert client.get("/api/runs/run-20/privacy-utility").status_code == 404
+    page = client.get("/runs/run-20")
+    assert page.status_code == 200 and "chart-privacy-utility" not in page.text

@@ -18,7 +18,7 @@ if find_chromium() is None:
     )
 pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
 
-from dashboard_data import fill_realistic_run  # noqa: E402
+from dashboard_data import fill_realistic_run, write_privacy_utility  # noqa: E402
 
 from common.protocol import RoundRecord  # noqa: E402
 from server.dashboard import create_app  # noqa: E402
@@ -38,6 +38,7 @@ POINTS = """id => { const ch = window.fedla.charts[id];
 def test_run_page_in_chromium(tmp_path):
     store = RunStore(f"sqlite:///{tmp_path / 'fedla.db'}")
     fill_realistic_run(store, "live-run", rounds=ROUNDS, run_dir=tmp_path, finish=False)
+    write_privacy_utility(tmp_path / "live-run", "live-run")
     errors: list[str] = []
     with serve_in_thread(create_app(store, token=TOKEN)) as base_url, chromium_page() as page:
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
@@ -58,6 +59,10 @@ def test_run_page_in_chromium(tmp_path):
         # 4 heads, each with a server and a client-side accuracy line.
         assert len(page.evaluate("window.fedla.charts['chart-accuracy'].data.datasets")) == 8
         assert page.locator("#rounds-table tbody tr").count() == ROUNDS
+        # the privacy-utility benchmark this run was part of: the DP curve, 3 references and this run
+        assert page.evaluate(INK, "chart-privacy-utility") > 2000
+        shown = page.evaluate("window.fedla.charts['chart-privacy-utility'].data.datasets.map(d => d.label)")
+        assert shown == ["federated DP", "public_only", "federated_nodp", "central_nodp", "this run"]
         assert "reconstruction_threshold" in page.locator("#secagg").inner_text()
 
         # Live update: the server records a round and a checkpoint; the page picks them up by polling.

@@ -69,6 +69,21 @@ def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
         assert check["decoded_ams_heads_only"] >= 1.0 and check["chain_estimate_same_chunks"] >= 1.0
 
 
+def test_every_federated_run_folder_carries_the_curve_for_the_dashboard(quick_result):
+    """The dashboard reads the benchmark JSON from a run's folder and places that run on the curve."""
+    from server.dashboard import privacy_utility_curve
+
+    result, _ = quick_result
+    run_dir = Path(result["dp"]["2"]["run_dir"])
+    curve = privacy_utility_curve([run_dir], run_dir.name)
+    assert curve["epsilon"] == [1.0, 2.0, 4.0, 8.0]
+    assert curve["dp"] == [result["dp"][e]["tau_heads_only"] for e in ("1", "2", "4", "8")]
+    assert curve["references"]["public_only"] == result["public_only"]["tau_heads_only"]
+    assert curve["this_run"] == {"kind": "dp", "epsilon": 2.0, "tau": result["dp"]["2"]["tau_heads_only"]}
+    nodp = Path(result["federated_nodp"]["run_dir"])
+    assert privacy_utility_curve([nodp], nodp.name)["this_run"]["kind"] == "federated_nodp"
+
+
 def test_epsilon_composed_over_all_rounds_matches_opacus_and_stays_under_target(quick_result):
     result, _ = quick_result
     meta = result["meta"]

@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.recorder import PRIVACY_UTILITY_FILE
 from server.store import RunStore, StoreUnavailable, one_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -151,6 +152,21 @@ class RoundOut(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str
+
+
+class BenchmarkRunOut(BaseModel):
+    kind: str = Field(description="federated_nodp or dp")
+    epsilon: Optional[float] = Field(description="the run's target epsilon (null: no DP)")
+    tau: float
+
+
+class PrivacyUtilityOut(BaseModel):
+    epsilon: list[float] = Field(description="target epsilons of the DP runs (delta 1e-5, all rounds)")
+    dp: list[float] = Field(description="heads-only tau on the clients' held-out code at each epsilon")
+    references: dict[str, float] = Field(description="public_only, federated_nodp, central_nodp tau")
+    clients: Optional[int]
+    rounds: Optional[int]
+    this_run: Optional[BenchmarkRunOut] = Field(description="where this run sits on the curve")
 
 
 # ------------------------------------------------------------------------------------------- app
@@ -305,6 +321,20 @@ def create_app(
 
     # ------------------------------------------------------------------------------------- pages
 
+    @app.get(
+        "/api/runs/{run_id}/privacy-utility",
+        response_model=PrivacyUtilityOut,
+        responses={404: {"model": ErrorOut}},
+        tags=["api"],
+        summary="The privacy-utility curve of the benchmark this run was part of (heads-only tau against epsilon)",
+    )
+    def api_privacy_utility(run_id: str):
+        run_or_404(run_id)
+        curve = privacy_utility_curve(_run_folders(run_roots, run_id), run_id)
+        if curve is None:
+            raise HTTPException(404, f"run {run_id!r} was not part of a privacy-utility benchmark")
+        return curve
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request):
         return page(request, "index.html", runs=store.list_runs())
@@ -312,7 +342,8 @@ def create_app(
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(request: Request, run_id: str):
         run = run_or_404(run_id)
-        return page(request, "run.html", run=run, rounds=store.get_rounds(run_id))
+        curve = privacy_utility_curve(_run_folders(run_roots, run_id), run_id)
+        return page(request, "run.html", run=run, rounds=store.get_rounds(run_id), privacy_utility=curve)
 
     @app.get("/runs/{run_id}/checkpoint", include_in_schema=False)
     def checkpoint(run_id: str, round: Optional[int] = Query(None, ge=0)):
@@ -347,6 +378,40 @@ def _run_folders(roots: list[Path], run_id: str) -> list[Path]:
     if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id or "\0" in run_id:
         return []
     return [Path(os.path.realpath(root / run_id)) for root in roots]
+
+
+def privacy_utility_curve(run_folders: list[Path], run_id: str) -> dict | None:
+    """The curve of the privacy-utility benchmark (simulations/privacy_utility.py) that left its JSON in
+    this run's folder: tau at each epsilon, the references, and where this run sits. None: no benchmark
+    JSON, or one that cannot be read (the page then simply has no such plot)."""
+    for folder in run_folders:
+        try:
+            result = json.loads((folder / PRIVACY_UTILITY_FILE).read_text())
+            dp = sorted(((float(eps), entry) for eps, entry in result.get("dp", {}).items()), key=lambda p: p[0])
+            curve = {
+                "epsilon": [eps for eps, _ in dp],
+                "dp": [entry["tau_heads_only"] for _, entry in dp],
+                "references": {
+                    name: result[name]["tau_heads_only"]
+                    for name in ("public_only", "federated_nodp", "central_nodp")
+                    if name in result
+                },
+                "clients": result.get("clients"),
+                "rounds": result.get("rounds"),
+                "this_run": None,
+            }
+            entries = [("federated_nodp", None, result.get("federated_nodp"))]
+            entries += [("dp", eps, entry) for eps, entry in dp]
+            for kind, eps, entry in entries:
+                if entry and Path(str(entry.get("run_dir", ""))).name == run_id:
+                    curve["this_run"] = {"kind": kind, "epsilon": eps, "tau": entry["tau_heads_only"]}
+            return curve
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            logging.getLogger(__name__).warning("unreadable %s in %s: %s", PRIVACY_UTILITY_FILE, folder, exc)
+            return None
+    return None
 
 
 def _checkpoint_response(run_id: str, checkpoint: dict, run_folders: list[Path]) -> Response:

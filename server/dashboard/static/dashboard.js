@@ -268,8 +268,40 @@
     });
   }
 
+  // The privacy-utility benchmark this run belonged to (embedded by the page): DP tau against epsilon, with
+  // public-only, federated non-private and central non-private as reference lines and this run starred.
+  function renderPrivacyUtility() {
+    const data = document.getElementById("privacy-utility-data");
+    if (!data) return;
+    const curve = JSON.parse(data.textContent);
+    const xs = curve.epsilon;
+    const points = function (ys) { return xs.map(function (x, i) { return { x: x, y: ys[i] }; }); };
+    const flat = function (y) { return points(xs.map(function () { return y; })); };
+    const datasets = [Object.assign(line("federated DP", points(curve.dp), "#c92a2a", false), { pointRadius: 4 })];
+    const refs = { public_only: "#1d2330", federated_nodp: "#2f6fdb", central_nodp: "#2b8a3e" };
+    Object.keys(refs).forEach(function (name) {
+      if (curve.references[name] != null) {
+        const ds = line(name, flat(curve.references[name]), refs[name], true);
+        ds.pointRadius = 0;
+        datasets.push(ds);
+      }
+    });
+    const mine = curve.this_run;
+    if (mine) {
+      const x = mine.epsilon === null ? xs[xs.length - 1] : mine.epsilon;
+      datasets.push({ label: "this run", data: [{ x: x, y: mine.tau }], type: "scatter", pointStyle: "star",
+                      pointRadius: 10, borderColor: "#e67700", backgroundColor: "#e67700" });
+    }
+    const options = baseOptions("heads-only τ", {});
+    options.scales.x = { type: "logarithmic", title: { display: true, text: "ε (δ = 1e-5, all rounds)" },
+                         ticks: { callback: function (v) { return xs.indexOf(v) >= 0 ? String(v) : ""; } } };
+    options.interaction = { mode: "nearest", intersect: false };
+    draw("chart-privacy-utility", "line", [], datasets, options);
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
     const page = document.body.dataset.page;
+    if (page === "run") renderPrivacyUtility();
     if (page === "run") runPage();
     else if (page === "index") indexPage();
   });
