@@ -805,3 +805,18 @@ def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(
     path.write_text("{not json")
     remeasured = cost_curve(base, directory=tmp_path)
     assert remeasured.key == curve.key and CostCurve.from_json(json.loads(path.read_text())) == remeasured
+
+
+def test_an_implausible_cached_cost_curve_is_remeasured(tmp_path, models):
+    """A cached curve where more tokens cost less (timed on a busy machine by an older version) would make
+    every tree look unaffordable: it is measured again, not trusted."""
+    from common.decoding.calibration import cost_curve
+
+    base = models["llama"][0]
+    curve = cost_curve(base, directory=tmp_path)
+    path = tmp_path / f"{curve.key}.json"
+    stale = dict(curve.to_json(), body_seconds=[0.176, 0.388, 0.986, 0.166, 0.71, 0.94, 1.08])
+    path.write_text(json.dumps(stale))
+    assert not CostCurve.from_json(stale).plausible()
+    remeasured = cost_curve(base, directory=tmp_path)
+    assert remeasured.plausible() and json.loads(path.read_text())["body_seconds"] == list(remeasured.body_seconds)

@@ -61,6 +61,14 @@ class CostCurve:
         one = self.verify(1, 1)
         return {n: round(self.verify(n, 1) / one, 3) for n in self.sizes}
 
+    def plausible(self) -> bool:
+        """More tokens never cost less. A cached curve that says otherwise was measured on a disturbed
+        machine by a version without the monotone repair, and would make every tree look unaffordable."""
+        return all(
+            len(values) == len(self.sizes) and all(0 < a <= b for a, b in zip(values, values[1:]))
+            for values in (self.body_seconds, self.lm_head_seconds)
+        )
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -141,10 +149,10 @@ def cost_curve(base: BaseModel, directory: Path | None = None, remeasure: bool =
     if path.is_file() and not remeasure:
         try:
             curve = CostCurve.from_json(json.loads(path.read_text()))
-            if curve.key == key:
+            if curve.key == key and curve.plausible():
                 return curve
         except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache file is re-measured, not trusted
+            pass  # a damaged or implausible cache file is re-measured, not trusted
     curve = measure_cost_curve(base)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
