@@ -1,14 +1,16 @@
 """Where an AMS-LD step spends its time on this device: base body, LM head, drafting, cache, the rest.
 
     python -m simulations.profile_decode --heads DIR [--prompts 8] [--max-new-tokens 128] [--dtype fp32]
-        [--threads 1] [--json runs/profile-decode.json]
+        [--threads 1] [--heads-only] [--json runs/profile-decode.json]
 
 Wall-clock timers wrap the decoder's parts for the duration of the run (no cProfile, whose per-call
 overhead would inflate the Python-heavy parts): the base body's forward (BaseRunner.forward), the LM
 head (a forward hook on the base's output embedding: verification and the first token), drafting
 (HeadsTreeDrafter.draft_inputs and .propose: the heads and the tree choice), cache compaction
 (keep_cache_path), and everything else inside `generate` (masks, acceptance, bookkeeping). On CPU every
-op is synchronous, so the split is exact; on CUDA the timers synchronise first. Prints a table, writes JSON.
+op is synchronous, so the split is exact; on CUDA the timers synchronise first. `--heads-only` profiles
+AMS-LD without the n-gram source. The same prompts also run plain greedy decoding, whose ms per token is
+the yardstick for a step: a step pays when it costs less than tau greedy tokens. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import common.decoding.decoders as decoders
 from common.base import DTYPES, BaseModel, FedLookaheadError, load_base
 from common.data import prompts_from_files, stdlib_files
-from common.decoding import generate
+from common.decoding import AmsPolicy, generate
 from common.decoding.core import BaseRunner
 from common.decoding.drafting import HeadsTreeDrafter
 from common.default_model import resolve_base
@@ -78,12 +80,18 @@ def phase_timers(base: BaseModel) -> Iterator[dict[str, float]]:
             hook.remove()
 
 
-def profile(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-    generate(base, prompts[0], heads=heads, max_new_tokens=16, degeneration_guard=False)  # warm-up, calibration
-    total = tokens = forwards = 0.0
+def profile(
+    base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max_new_tokens: int, policy: AmsPolicy
+) -> dict:
+    run = dict(heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False, policy=policy)
+    generate(base, prompts[0], **{**run, "max_new_tokens": 16})  # warm-up, calibration
+    total = tokens = forwards = greedy_seconds = greedy_tokens = 0.0
+    for prompt in prompts:  # the yardstick, outside the timers
+        result = generate(base, prompt, mode="greedy", max_new_tokens=max_new_tokens, degeneration_guard=False)
+        greedy_seconds, greedy_tokens = greedy_seconds + result.seconds, greedy_tokens + len(result.tokens)
     with phase_timers(base) as seconds:
         for prompt in prompts:
-            result = generate(base, prompt, heads=heads, max_new_tokens=max_new_tokens, degeneration_guard=False)
+            result = generate(base, prompt, **run)
             total += result.seconds
             tokens += len(result.tokens)
             forwards += result.base_forwards
@@ -93,6 +101,8 @@ def profile(base: BaseModel, heads: DraftHeads, prompts: list[torch.Tensor], max
         "seconds": round(total, 3),
         "tokens_per_s": round(tokens / total, 2),
         "tau": round(tokens / max(1, forwards), 3),
+        "greedy_tokens_per_s": round(greedy_tokens / greedy_seconds, 2),
+        "greedy_ms_per_token": round(1000 * greedy_seconds / greedy_tokens, 2),
         "share": {part: round(value / total, 4) for part, value in parts.items()},
         "ms_per_step": {part: round(1000 * value / max(1, forwards), 2) for part, value in parts.items()},
     }
@@ -107,6 +117,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--heads-only", action="store_true", help="AMS-LD without the n-gram source.")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -121,15 +132,19 @@ def main() -> None:
         "threads": args.threads,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        **profile(base, heads, prompts, args.max_new_tokens),
+        "heads_only": args.heads_only,
+        **profile(base, heads, prompts, args.max_new_tokens, AmsPolicy(ngram=not args.heads_only)),
     }
     print(
-        f"AMS-LD, {report['prompts']} prompts x {args.max_new_tokens} tokens, {args.dtype}, {args.threads} thread(s): "
-        f"{report['tokens_per_s']} tok/s, tau {report['tau']}"
+        f"AMS-LD{' (heads only)' if args.heads_only else ''}, {report['prompts']} prompts x {args.max_new_tokens} "
+        f"tokens, {args.dtype}, {args.threads} thread(s): {report['tokens_per_s']} tok/s, tau {report['tau']}; "
+        f"greedy {report['greedy_tokens_per_s']} tok/s ({report['greedy_ms_per_token']} ms/token)"
     )
     print(f"{'part':<42} {'share':>7} {'ms/step':>8}")
     for part, share in sorted(report["share"].items(), key=lambda item: -item[1]):
         print(f"{part:<42} {100 * share:>6.1f}% {report['ms_per_step'][part]:>8.2f}")
+    step = sum(report["ms_per_step"].values())
+    print(f"a step: {step:.1f} ms = {step / report['greedy_ms_per_token']:.2f} greedy tokens, for tau {report['tau']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from common.data import prompts_from_files, stdlib_files
+from common.decoding import AmsPolicy
 from common.decoding.core import BaseRunner
 from common.heads import DraftHeads
 
@@ -15,9 +16,10 @@ def test_profile_parts_add_up_and_patches_are_undone(tiny_base):
     forward = BaseRunner.forward
     heads = DraftHeads.fresh(tiny_base, num_heads=2)
     prompts = prompts_from_files(stdlib_files("heldout"), tiny_base.tokenizer, 2, 16)
-    report = profile(tiny_base, heads, prompts, max_new_tokens=12)
+    report = profile(tiny_base, heads, prompts, max_new_tokens=12, policy=AmsPolicy(ngram=False))
     assert abs(sum(report["share"].values()) - 1) < 1e-3
     assert report["share"]["base body"] > 0 and report["share"]["lm head"] > 0 and report["share"]["drafting"] > 0
+    assert report["greedy_ms_per_token"] > 0
     assert BaseRunner.forward is forward
     with phase_timers(tiny_base) as seconds:
         pass
