@@ -468,36 +468,23 @@ def train_round(
         return epsilon_of(history, config.dp_delta), config.dp_delta
 
     now, delta = spent(state.history)
+
+    def declined(reason: str) -> RoundResult:
+        return RoundResult(None, now, q, 0, sigma, delta, skipped=f"privacy budget: this round would bring {reason}")
+
     if config.dp_target_epsilon > 0:
         after = epsilon_of(state.history + this_round, config.dp_delta)
         if after > config.dp_target_epsilon + EPSILON_SLACK:
-            return RoundResult(
-                None,
-                now,
-                q,
-                0,
-                sigma,
-                delta,
-                skipped=(
-                    f"privacy budget: this round would bring the run's epsilon from "
-                    f"{epsilon_of(state.history, config.dp_delta):.3f} to {after:.3f}, "
-                    f"above the target {config.dp_target_epsilon:g} (delta {config.dp_delta:g})"
-                ),
+            return declined(
+                f"the run's epsilon from {epsilon_of(state.history, config.dp_delta):.3f} to {after:.3f}, "
+                f"above the target {config.dp_target_epsilon:g} (delta {config.dp_delta:g})"
             )
     if floor is not None:
         after, _ = spent(state.history + this_round)
         if after > floor.budget_epsilon + EPSILON_SLACK:
-            return RoundResult(
-                None,
-                now,
-                q,
-                0,
-                sigma,
-                delta,
-                skipped=(
-                    f"privacy budget: this round would bring the device's lifetime epsilon from {now:.3f} to "
-                    f"{after:.3f}, above its budget {floor.budget_epsilon:g} (delta {floor.delta:g})"
-                ),
+            return declined(
+                f"the device's lifetime epsilon from {now:.3f} to {after:.3f}, "
+                f"above its budget {floor.budget_epsilon:g} (delta {floor.delta:g})"
             )
 
     engine = PrivacyEngine(accountant="rdp")
