@@ -74,13 +74,13 @@ class ContextCache:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP (the Llama layer), with the two row kinds of the module docstring."""
+    """Pre-norm attention + SwiGLU MLP (the Llama layer), with the two row kinds of the module docstring.
+
+    `geometry` is checked where the heads' config is (common.heads.HeadsConfig.validate)."""
 
     def __init__(self, hidden_size: int, geometry: dict[str, float]) -> None:
         super().__init__()
         heads, kv_heads = int(geometry["num_attention_heads"]), int(geometry["num_key_value_heads"])
-        if hidden_size % heads or heads % kv_heads:
-            raise ValueError(f"bad layer geometry {geometry} for hidden size {hidden_size}")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden_size // heads
         ffn = int(geometry["intermediate_size"])
         self.attn_norm = nn.RMSNorm(hidden_size, eps=1e-6)

@@ -76,7 +76,7 @@ def perturb(base: BaseModel, seed: int, std: float = 0.2) -> BaseModel:
     return base
 
 
-def quickly_trained_heads(base: BaseModel, num_heads: int = 3, epochs: int = 8) -> DraftHeads:
+def quickly_trained_heads(base: BaseModel, num_heads: int = 3, epochs: int = 8, arch: str = "recurrent") -> DraftHeads:
     """Heads distilled for a few seconds on the base's own greedy continuations, so drafts get accepted."""
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, TINY_VOCAB, (16, 6), generator=generator)
@@ -84,7 +84,9 @@ def quickly_trained_heads(base: BaseModel, num_heads: int = 3, epochs: int = 8) 
         sequences = base.model.generate(
             prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=42, pad_token_id=0
         )
-    heads = DraftHeads.fresh(base, num_heads)
+    with torch.random.fork_rng():  # eagle's layer starts from random weights: seeded, no global side effect
+        torch.manual_seed(0)
+        heads = DraftHeads.fresh(base, num_heads, arch=arch)
     features = compute_features(base, sequences, progress=False)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     for epoch in range(epochs):
@@ -93,9 +95,11 @@ def quickly_trained_heads(base: BaseModel, num_heads: int = 3, epochs: int = 8) 
     return heads
 
 
-def noisy_heads(base: BaseModel, seed: int) -> DraftHeads:
-    """Parallel (Medusa) heads over a draft vocabulary of every other token, randomly perturbed."""
-    heads = DraftHeads.fresh(base, 4, arch="parallel", draft_vocab=list(range(0, base.vocab_size, 2)))
+def noisy_heads(base: BaseModel, seed: int, arch: str = "parallel", num_heads: int = 4) -> DraftHeads:
+    """Heads (Medusa's parallel by default) over a draft vocabulary of every other token, randomly perturbed."""
+    with torch.random.fork_rng():  # eagle's layer starts from random weights: seeded, no global side effect
+        torch.manual_seed(seed)
+        heads = DraftHeads.fresh(base, num_heads, arch=arch, draft_vocab=list(range(0, base.vocab_size, 2)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in heads.parameters():

@@ -11,19 +11,9 @@ from common.decoding import AmsPolicy, generate
 from common.features import compute_features
 from common.heads import DraftHeads, HeadsConfig
 from common.params import heads_from_records, heads_records
-from common.training import feature_loader, heads_loss, train_epoch
+from common.training import heads_loss
 from tests.conftest import TINY_VOCAB, save_tiny
-from tests.test_decoding import hf_greedy, perturb
-
-
-def eagle_heads(base, num_heads: int = 3, scale: float = 0.05, seed: int = 0) -> DraftHeads:
-    """Eagle heads with every weight moved off its identity initialisation (so attention matters)."""
-    torch.manual_seed(seed)
-    heads = DraftHeads.fresh(base, num_heads, arch="eagle", draft_vocab=list(range(0, base.vocab_size, 2)))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(scale * torch.randn_like(p))
-    return heads
+from tests.test_decoding import hf_greedy, noisy_heads, perturb, quickly_trained_heads
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,7 @@ def test_training_pass_equals_drafting_with_the_context_cache(bases):
     depth k after committing the real rows <= t and drafting x_{t+2..t+k} speculatively, and step 1 from a
     cache of rows < t (the fused mode's view) equals committing row t."""
     base = bases["llama"]
-    heads = eagle_heads(base)
+    heads = noisy_heads(base, 0, arch="eagle", num_heads=3)
     tokens = torch.randint(0, TINY_VOCAB, (2, 12))
     hidden = base.features(tokens)
     with torch.no_grad():
@@ -73,7 +63,7 @@ def test_training_pass_equals_drafting_with_the_context_cache(bases):
 def test_ams_with_eagle_heads_is_lossless(bases, arch):
     """Greedy AMS-LD drafting with eagle heads (tree and n-gram chain) equals transformers' greedy."""
     base = bases[arch]
-    heads = train_quickly(base)
+    heads = quickly_trained_heads(base, arch="eagle")
     generator = torch.Generator().manual_seed(3)
     accepted = 0
     for size in (1, 5, 17):
@@ -85,22 +75,6 @@ def test_ams_with_eagle_heads_is_lossless(bases, arch):
     assert accepted > 0  # the drafts were actually verified and some accepted
 
 
-def train_quickly(base, epochs: int = 6) -> DraftHeads:
-    """Eagle heads trained a few seconds on the base's own greedy continuations."""
-    prompts = torch.randint(1, TINY_VOCAB, (16, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        sequences = base.model.generate(
-            prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=34, pad_token_id=0
-        )
-    torch.manual_seed(0)
-    heads = DraftHeads.fresh(base, 3, arch="eagle")
-    features = compute_features(base, sequences, progress=False)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    for epoch in range(epochs):
-        train_epoch(heads, feature_loader(features, 8, True, seed=epoch), optimizer, 3, show_progress=False)
-    return heads
-
-
 def test_fused_mode_runs_on_eagle_heads(bases):
     """alpha = 0 makes the fused rule plain greedy: same tokens as transformers with the eagle cache in use."""
     base = bases["llama"]
@@ -109,7 +83,7 @@ def test_fused_mode_runs_on_eagle_heads(bases):
         base,
         torch.tensor(prompt),
         mode="fused",
-        heads=eagle_heads(base),
+        heads=noisy_heads(base, 0, arch="eagle", num_heads=3),
         policy=AmsPolicy(fused_alpha=0.0),
         max_new_tokens=12,
     )
@@ -121,7 +95,7 @@ def test_opacus_per_sample_gradients_of_eagle_heads_match_autograd(bases):
     """Every layer of the drafter (Linear, RMSNorm; attention and rotary have no parameters) has an Opacus
     grad sampler: per-chunk gradients from GradSampleModule equal one-chunk-at-a-time autograd."""
     base = bases["llama"]
-    heads = eagle_heads(base, num_heads=2)
+    heads = noisy_heads(base, 0, arch="eagle", num_heads=2)
     tokens = torch.randint(0, TINY_VOCAB, (3, 10))
     hidden = base.features(tokens)
     greedy = torch.randint(0, TINY_VOCAB, (3, 10))
@@ -158,7 +132,7 @@ def test_eagle_heads_train_under_dp_sgd(bases):
 
 def test_eagle_heads_round_trip_on_disk_and_on_the_wire(bases, tmp_path):
     base = bases["llama"]
-    heads = eagle_heads(base)
+    heads = noisy_heads(base, 0, arch="eagle", num_heads=3)
     loaded = DraftHeads.load(heads.save(tmp_path / "h"), base)
     assert loaded.config == heads.config
     arrays, config = heads_records(heads)
