@@ -11,19 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from dashboard_data import SECAGG
 
 from common.protocol import RoundRecord
 from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
 
-SECAGG = {
-    "num_shares": 3,
-    "reconstruction_threshold": 2,
-    "max_weight": 1000.0,
-    "clipping_range": 8.0,
-    "quantization_range": 4194304,
-    "modulus_range": 4294967296,
-    "timeout": 30.0,
-}
 CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
 
 
