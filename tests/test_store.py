@@ -11,10 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from dashboard_data import SECAGG
 
 from common.protocol import RoundRecord
 from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
+from tests.dashboard_data import SECAGG
 
 CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
 
