@@ -58,10 +58,9 @@ def heads_only_decoding(
 ) -> dict[str, float]:
     """AMS-LD with the heads as the only drafter (no n-gram source) against greedy, prompt by prompt:
     tau and the tokens/s ratio (side by side, so machine noise hits both)."""
-    totals = {"greedy": [0, 0.0], "ams": [0, 0.0]}
-    tokens = forwards = 0
+    totals = {mode: {"tokens": 0, "seconds": 0.0, "forwards": 0} for mode in ("greedy", "ams")}
     for prompt in prompts:
-        for mode in ("greedy", "ams"):
+        for mode, total in totals.items():
             result = generate(
                 base,
                 prompt,
@@ -71,12 +70,12 @@ def heads_only_decoding(
                 degeneration_guard=False,
                 policy=AmsPolicy(ngram=False),
             )
-            totals[mode][0] += len(result.tokens)
-            totals[mode][1] += result.seconds
-        tokens, forwards = tokens + len(result.tokens), forwards + result.base_forwards
-    rates = {mode: count / seconds for mode, (count, seconds) in totals.items()}
+            total["tokens"] += len(result.tokens)
+            total["seconds"] += result.seconds
+            total["forwards"] += result.base_forwards
+    rates = {mode: total["tokens"] / total["seconds"] for mode, total in totals.items()}
     return {
-        "tau_heads_only": round(tokens / max(1, forwards), 3),
+        "tau_heads_only": round(totals["ams"]["tokens"] / max(1, totals["ams"]["forwards"]), 3),
         "heads_only_tokens_per_s": round(rates["ams"], 2),
         "greedy_tokens_per_s": round(rates["greedy"], 2),
         "heads_only_speedup": round(rates["ams"] / rates["greedy"], 3),
