@@ -190,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.perf_counter() + args.curve_minutes * 60
         while time.perf_counter() < deadline:
             loader = feature_loader(features, 16, shuffle=True, seed=epoch)
-            trained += train_epoch(
-                heads, loader, optimizer, 4, show_progress=False, deadline=deadline, mixed_precision=True
-            ).tokens
+            trained += train_epoch(heads, loader, optimizer, 4, show_progress=False, deadline=deadline).tokens
             epoch += 1
             curve.append(
                 {

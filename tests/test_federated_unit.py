@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from client.privacy import PrivacyState, epsilon_of, load_state, save_state
 from client.task import PackagePartitioner
 from common.base import FedLookaheadError
 from common.data import stdlib_dir
-from common.features import compute_features
+from common.features import compute_features, fast_feature_dtype
 from common.fedconfig import DEFAULTS, HELP, FedConfig
 from common.heads import DraftHeads
 from common.params import (
@@ -36,7 +37,7 @@ from common.params import (
     validate_metrics,
     validate_update,
 )
-from common.training import feature_loader, heads_loss
+from common.training import feature_loader, heads_loss, mixed_precision_autocast, upcast_grad_samples
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,15 +138,10 @@ def test_restored_accountant_equals_a_continuous_one(tmp_path):
     assert sum(n for _, _, n in json.loads(path.read_text())["history"]) == 200
 
 
-def test_per_sample_clipping_bound(tiny_base):
-    torch.manual_seed(0)
-    heads = DraftHeads.fresh(tiny_base, 2)
-    chunks = torch.randint(0, tiny_base.vocab_size, (12, 16))
+def _per_sample_gradients(heads: DraftHeads, features, clip: float, mixed: bool):
+    """Opacus's per-sample gradients of one batch (as training casts them) and its DP optimizer."""
     optimizer = torch.optim.SGD(heads.parameters(), lr=0.1)
-    engine = PrivacyEngine(accountant="rdp")
-    clip = 0.05
-    features = compute_features(tiny_base, chunks, progress=False)
-    module, dp_optimizer, _ = engine.make_private(
+    module, dp_optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
         module=heads,
         optimizer=optimizer,
         data_loader=feature_loader(features, 4, False),
@@ -153,9 +149,31 @@ def test_per_sample_clipping_bound(tiny_base):
         max_grad_norm=clip,
         poisson_sampling=True,
     )
-    heads_loss(module, features.hidden, features.tokens, features.greedy).backward()
+    with mixed_precision_autocast(features.hidden.device, mixed):
+        loss = heads_loss(module, features.hidden, features.tokens, features.greedy)
+    loss.backward()
     params = [p for p in heads.parameters() if p.requires_grad]
-    per_sample = torch.cat([p.grad_sample.reshape(len(chunks), -1) for p in params], dim=1)
+    computed_in = {p.grad_sample.dtype for p in params}
+    upcast_grad_samples(module)
+    per_sample = torch.cat([p.grad_sample.reshape(len(features), -1) for p in params], dim=1)
+    return module, dp_optimizer, params, per_sample, computed_in
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-autocast"])
+def test_per_sample_clipping_bound(tiny_base, mixed):
+    """Clipping bounds every chunk's gradient, also when the forward runs under bf16 autocast (the
+    per-sample gradients are computed in bf16 there and cast to fp32 before Opacus takes their norms)."""
+    if mixed and fast_feature_dtype(tiny_base.device) != torch.bfloat16:
+        pytest.skip("this device has no native bf16: training never autocasts here")
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    chunks = torch.randint(0, tiny_base.vocab_size, (12, 16))
+    clip = 0.05
+    features = compute_features(tiny_base, chunks, progress=False)
+    reference = copy.deepcopy(heads)
+    module, dp_optimizer, params, per_sample, computed_in = _per_sample_gradients(heads, features, clip, mixed)
+    assert computed_in == {torch.bfloat16 if mixed else torch.float32}
+    assert all(p.grad_sample.dtype == torch.float32 for p in params)
     norms = per_sample.norm(dim=1)
     assert (norms > clip).all()  # the bound actually binds in this test
     dp_optimizer.clip_and_accumulate()
@@ -166,6 +184,9 @@ def test_per_sample_clipping_bound(tiny_base):
     assert ((per_sample * factors[:, None]).norm(dim=1) <= clip * (1 + 1e-5)).all()
     assert "embed" not in dict(heads.named_modules()) and len(list(heads.parameters())) == len(params)
     module._close()
+    if mixed:  # bf16 products: the same gradients to within bf16 rounding
+        exact = _per_sample_gradients(reference, features, clip, mixed=False)[3]
+        assert ((per_sample - exact).norm(dim=1) / exact.norm(dim=1)).max() < 0.02
 
 
 def _client_context(tiny_base_dir, **overrides) -> Context:
