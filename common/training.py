@@ -125,18 +125,16 @@ def train_epoch(
     show_progress: bool = True,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     deadline: float = math.inf,
-    mixed_precision: bool = True,
 ) -> HeadMetrics:
     """One pass over `loader` (stopping early at `deadline`, a perf_counter time).
 
     `heads` may be a DraftHeads or Opacus's GradSampleModule around one; batches go to the heads'
-    device. `mixed_precision` runs the forward under bf16 autocast where the device computes bf16
-    natively (about 1.5x without DP and 1.7x under DP-SGD on this 2-core CPU: the draft-vocabulary
-    matrix products dominate).
+    device. The forward runs under bf16 autocast where the device computes bf16 natively (about 1.5x
+    without DP and 1.7x under DP-SGD on this 2-core CPU: the draft-vocabulary matrix products dominate).
     """
     metrics = HeadMetrics(num_heads)
     device = next(heads.parameters()).device
-    autocast = mixed_precision_autocast(device, mixed_precision)
+    autocast = mixed_precision_autocast(device)
     heads.train()
     for hidden, tokens, greedy in tqdm(loader, desc=desc, unit="batch", disable=not show_progress, leave=False):
         optimizer.zero_grad(set_to_none=True)
