@@ -706,7 +706,9 @@ def test_cuda_half_precision_runs_and_fp32_is_exact(tiny_base_dir):
         heads = DraftHeads.fresh(base, 3)
         prompt = list(range(3, 20))
         result = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=32, degeneration_guard=False)
-        assert result.mode == "ams" and len(result.tokens) == 32
+        # the perturbed tiny model may draw its EOS early (it did on an H200); generate stops there too
+        assert result.mode == "ams" and result.tokens
+        assert len(result.tokens) == 32 or result.stop_reason == "eos"
         if dtype == torch.float32:
             ids = torch.tensor([prompt], device="cuda")
             out = base.model.generate(
@@ -714,7 +716,7 @@ def test_cuda_half_precision_runs_and_fp32_is_exact(tiny_base_dir):
             )
             assert result.tokens == out[0, len(prompt) :].tolist()
         sampled = generate(base, torch.tensor(prompt), heads=heads, max_new_tokens=16, temperature=0.8, seed=0)
-        assert len(sampled.tokens) == 16
+        assert len(sampled.tokens) == 16 or sampled.stop_reason == "eos"
 
 
 # ------------------------------------------------------------------------------------------------ CLI
