@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers import CompileConfig
 
 from common.base import BaseModel
 from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
@@ -26,6 +27,9 @@ from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
+# transformers' fastest greedy configuration: a static KV cache and its torch.compile'd decoding step.
+# Not in the default set: compiling costs minutes on a CPU before the first token.
+HF_COMPILED = "hf_compiled"
 # Ablations of AMS-LD that can be added with `modes`: each source of candidates on its own.
 ABLATIONS = {
     "ams_heads_only": {"ngram": False},
@@ -53,13 +57,26 @@ class ModeTotals:
     per_prompt_speed: list[float] = field(default_factory=list)
 
 
-def hf_generate(base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_lookup: int | None = None) -> Run:
-    """transformers' own generate, greedy (optionally with prompt lookup), timed and with forwards counted."""
+def compiled_generation() -> dict:
+    """generate's arguments for a static cache with a compiled decoding step. transformers compiles it by
+    itself on CUDA; on a CPU only when CompileConfig's `_compile_all_devices` switch (private) asks it to."""
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def hf_generate(
+    base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_lookup: int | None = None, compiled: bool = False
+) -> Run:
+    """transformers' own generate, greedy (with prompt lookup, or a compiled static-cache step), timed and
+    with forwards counted."""
     eos = base.model.generation_config.eos_token_id
     pad = (
         base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
     )
     kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    if compiled:
+        kwargs.update(compiled_generation())
     with torch.no_grad(), ForwardCounter(base.model) as counter:
         started = time.perf_counter()
         out = base.model.generate(
@@ -89,6 +106,8 @@ def run_mode(
         return hf_generate(base, ids, max_new_tokens)
     if mode == "hf_prompt_lookup":
         return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS)
+    if mode == HF_COMPILED:
+        return hf_generate(base, ids, max_new_tokens, compiled=True)
     if mode in ABLATIONS:
         policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
         mode = "ams"
@@ -118,12 +137,15 @@ def decode_benchmark(
     """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
     if "hf_greedy" not in modes:
         raise ValueError("the benchmark needs the hf_greedy reference mode")
-    unknown = set(modes) - set(BENCH_MODES) - set(ABLATIONS)
+    known = BENCH_MODES + (HF_COMPILED,) + tuple(ABLATIONS)
+    unknown = set(modes) - set(known)
     if unknown:
-        raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(BENCH_MODES + tuple(ABLATIONS))}")
+        raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(known)}")
     ids_list = [p.view(1, -1).to(base.device) for p in prompts]
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
-        run_mode(mode, base, heads, ids_list[0], min(16, max_new_tokens), policy, curve)
+        # the compiled step is warmed up at full length: its static cache is sized by the longest call
+        length = max_new_tokens if mode == HF_COMPILED else min(16, max_new_tokens)
+        run_mode(mode, base, heads, max(ids_list, key=lambda ids: ids.shape[1]), length, policy, curve)
     totals = {mode: ModeTotals() for mode in modes}
     looping = 0  # prompts whose greedy output ends in a repetition loop, which prompt lookup drafts for free
     for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):

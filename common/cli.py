@@ -270,7 +270,8 @@ def bench_decode_cmd(
     threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
     modes: str = typer.Option(
         "hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
-        help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree.",
+        help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree; hf_compiled: "
+        "transformers' static cache + torch.compile (minutes of compilation first on a CPU).",
     ),
     calibrate: bool = typer.Option(
         False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."

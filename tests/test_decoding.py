@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from common.base import BaseModel, FedLookaheadError, load_base
+from common.bench import decode_benchmark
 from common.cli import app
 from common.data import stdlib_files
 from common.decoding import (
@@ -795,6 +796,15 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
         assert set(row) == {"tokens_per_s", "tau", "identical_to_hf_greedy", "mismatches", "divergences"}
         assert row["identical_to_hf_greedy"] is True and row["mismatches"] == 0 and row["tokens_per_s"] > 0
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8
+
+
+def test_bench_compiled_baseline_matches_greedy(tiny_base):
+    """transformers' static-cache + torch.compile greedy (hf_compiled) runs on a CPU too and gives generate's tokens."""
+    base = perturb(load_base(tiny_base.path, device="cpu"), seed=4)
+    prompts = [torch.arange(3, 3 + n) for n in (12, 9)]
+    summary = decode_benchmark(base, None, prompts, 8, modes=("hf_greedy", "hf_compiled"), progress=False)
+    row = summary["modes"]["hf_compiled"]
+    assert row["identical_to_hf_greedy"] and row["tokens_per_s"] > 0
 
 
 def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(tmp_path, models):
