@@ -34,20 +34,23 @@ import os
 import re
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from flwr.app import ConfigRecord, Context
 from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 from common.base import FedLookaheadError
 from common.features import Features
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
+from common.lowrank import low_rank_updates
 from common.training import HeadMetrics, feature_loader, train_epoch
 
 STATE_RECORD = "fedla-privacy"
@@ -382,6 +385,9 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
 # ----------------------------------------------------------------------------------- training
 
 
+PHYSICAL_BATCH = 64  # chunks per forward under DP-SGD: bounds the memory of per-sample gradients
+
+
 def plan(config: FedConfig, num_chunks: int) -> tuple[float, int]:
     """(q, steps per round) of Poisson sampling with expected batch `batch-size` (Opacus: q = 1/len(loader))."""
     batches = math.ceil(num_chunks / config.batch_size)
@@ -415,6 +421,17 @@ def trainable_parameters(heads: DraftHeads, which: str = "all") -> list[torch.nn
     return [p for p in heads.parameters() if p.requires_grad]
 
 
+@contextmanager
+def trained_parameters(heads: DraftHeads, config: FedConfig) -> Iterator[list[torch.nn.Parameter]]:
+    """What this round trains: a subset of the heads' parameters, or (dp-trainable=lowrank) rank-r
+    updates of every Linear, merged into the heads when the round ends (common/lowrank.py)."""
+    if config.dp_trainable != "lowrank":
+        yield trainable_parameters(heads, config.dp_trainable)
+        return
+    with low_rank_updates(heads, config.dp_rank, seed=config.seed) as parameters:
+        yield parameters
+
+
 @dataclass
 class RoundResult:
     metrics: HeadMetrics | None
@@ -445,13 +462,13 @@ def train_round(
     """
     started = time.perf_counter()
     q, steps = plan(config, len(features))
-    trainable = trainable_parameters(heads, config.dp_trainable)
     if not config.dp:
-        optimizer = torch.optim.AdamW(trainable, lr=config.lr)
         metrics = HeadMetrics(heads.num_heads)
-        for epoch in range(config.local_epochs):
-            loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
-            metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
+        with trained_parameters(heads, config) as trainable:
+            optimizer = torch.optim.AdamW(trainable, lr=config.lr)
+            for epoch in range(config.local_epochs):
+                loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
+                metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
         return RoundResult(metrics, math.inf, q, steps, 0.0, seconds=time.perf_counter() - started)
 
     assert state is not None
@@ -489,23 +506,26 @@ def train_round(
 
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(state.history)  # continue the run's accountant, not a fresh one
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr)  # the heads only: the base is frozen
     heads.train()  # Opacus refuses a module in eval mode, which is how the previous round left it
-    with warnings.catch_warnings():
+    with trained_parameters(heads, config) as trainable, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
         module, dp_optimizer, dp_loader = engine.make_private(
             module=heads,
-            optimizer=optimizer,
+            optimizer=torch.optim.AdamW(trainable, lr=config.lr),  # the heads only: the base is frozen
             data_loader=feature_loader(features, config.batch_size, shuffle=False),
             noise_multiplier=sigma,
             max_grad_norm=config.dp_max_grad_norm,
             poisson_sampling=True,
         )
         metrics = HeadMetrics(heads.num_heads)
-        for _ in range(config.local_epochs):
-            metrics = train_epoch(module, dp_loader, dp_optimizer, heads.num_heads, show_progress=False)
-    module._close()  # remove Opacus's hooks from `heads` (the module is rebuilt next round anyway)
+        # a large expected batch is taken in physical pieces (one noisy step per logical batch)
+        with BatchMemoryManager(
+            data_loader=dp_loader, max_physical_batch_size=PHYSICAL_BATCH, optimizer=dp_optimizer
+        ) as loader:
+            for _ in range(config.local_epochs):
+                metrics = train_epoch(module, loader, dp_optimizer, heads.num_heads, show_progress=False)
+        module._close()  # remove Opacus's hooks from `heads` (the module is rebuilt next round anyway)
     state.noise_multiplier = sigma
     state.history = [tuple(h) for h in engine.accountant.history]
     epsilon, delta = spent(state.history)

@@ -18,7 +18,7 @@ from common.base import FedLookaheadError
 
 PARTITIONINGS = ("iid", "dirichlet", "package")
 DP_LEVELS = ("example", "user")
-DP_TRAINABLE = ("all", "fusion", "blocks")
+DP_TRAINABLE = ("all", "fusion", "blocks", "lowrank")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
 
 
@@ -66,9 +66,10 @@ class FedConfig:
     )
     dp_trainable: str = _knob(
         "all",
-        "head parameters trained on clients: all | fusion | blocks (fewer parameters under noise); "
+        "head parameters trained on clients: all | fusion | blocks | lowrank (fewer coordinates under noise); "
         "for eagle heads, blocks is the decoder layer",
     )
+    dp_rank: int = _knob(8, "dp-trainable=lowrank: rank of the update each round trains per Linear (merged after)")
 
     # server-side optimiser over the (secure) mean update
     server_optimizer: str = _knob(
@@ -150,6 +151,7 @@ class FedConfig:
             "secagg-clipping-range": self.secagg_clipping_range,
             "secagg-max-weight": self.secagg_max_weight,
             "lr": self.lr,
+            "dp-rank": self.dp_rank,
         }
         for key, value in positive.items():
             if not value > 0:

@@ -30,7 +30,8 @@ this script. Configurations:
   rounds: sigma is calibrated once for all planned rounds and every client's epsilon is checked);
 * ``tricks``: at epsilon 8, each DP trick added greedily to the recipe and kept only when it raises the
   validation tau: larger expected batches (fewer steps), a smaller learning rate with a tighter clip,
-  server momentum (FedAvgM over the DP mean), training only the fusion head. The epsilons below 8 use
+  server momentum (FedAvgM over the DP mean), training only the fusion head, training rank-8 updates of
+  every Linear (merged after each round, common/lowrank.py). The epsilons below 8 use
   the recipe this comparison chose;
 * ``user_dp``: user-level DP (dp-level=user, Flower's fixedclipping_mod + server noise, server/user_dp.py)
   at epsilon 8.
@@ -80,6 +81,8 @@ TRICKS = (
     ("lr_clip", {"lr": 3e-4, "dp-max-grad-norm": 0.3}),  # a smaller step and a tighter clip for DP
     ("server_momentum", {"server-optimizer": "fedavgm", "server-momentum": 0.9, "server-lr": 0.5}),
     ("fusion_only", {"dp-trainable": "fusion"}),  # 1/3 of the parameters: the same noise on fewer coordinates
+    # rank-8 updates of every Linear (~50k coordinates instead of ~2M), which need a larger step
+    ("low_rank", {"dp-trainable": "lowrank", "dp-rank": 8, "lr": 3e-3}),
 )
 
 
@@ -575,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                     "server-lr",
                     "server-momentum",
                     "dp-trainable",
+                    "dp-rank",
                     "dp-level",
                     "dp-user-clip",
                 )

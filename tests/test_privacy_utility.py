@@ -294,3 +294,44 @@ def test_fusion_only_dp_training_leaves_the_other_heads_untouched(tiny_base, one
     for name, value in after.items():
         changed = not torch.equal(value, before[name])
         assert changed == name.startswith("fusion"), name
+
+
+def test_low_rank_dp_training_changes_each_linear_by_a_rank_r_update(tiny_base, one_thread):
+    """dp-trainable=lowrank: Opacus trains rank-r factors of every Linear, merged after the round, so the
+    heads keep their parameter names and each weight moves by a matrix of rank <= r."""
+    torch.manual_seed(0)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    before = {k: v.clone() for k, v in heads.state_dict().items()}
+    features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (16, 16)))
+    config = FedConfig.from_mapping(
+        {"dp-trainable": "lowrank", "dp-rank": 2, "batch-size": 4, "dp-target-epsilon": 8.0, "lr": 1e-2}
+    )
+    result = train_round(heads, features, config, PrivacyState("t"))
+    assert result.steps > 0 and 0 < result.epsilon <= 8.0
+    after = heads.state_dict()
+    assert after.keys() == before.keys() and all(p.requires_grad for p in heads.parameters())
+    linear_weights = {f"{n}.weight" for n, m in heads.named_modules() if type(m) is torch.nn.Linear}
+    assert linear_weights
+    for name, value in after.items():
+        delta = (value - before[name]).float()
+        if name in linear_weights:
+            assert 0 < int(torch.linalg.matrix_rank(delta)) <= 2, name
+        else:  # biases, norms: frozen under lowrank
+            assert torch.equal(value, before[name]), name
+
+
+def test_a_large_expected_batch_is_taken_in_physical_pieces(tiny_base, one_thread, monkeypatch):
+    """Opacus's BatchMemoryManager splits a logical batch above PHYSICAL_BATCH chunks into pieces, with
+    one noisy step per logical batch: the accountant counts the planned steps, not the pieces."""
+    import client.privacy as privacy
+
+    monkeypatch.setattr(privacy, "PHYSICAL_BATCH", 4)
+    heads = DraftHeads.fresh(tiny_base, 2)
+    features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (32, 16)))
+    config = FedConfig.from_mapping({"batch-size": 16, "dp-target-epsilon": 8.0})
+    state = PrivacyState("t")
+    forwards = []
+    heads.register_forward_hook(lambda *_: forwards.append(1))
+    result = train_round(heads, features, config, state)
+    assert result.steps == 2 and [steps for _, _, steps in state.history] == [2]
+    assert len(forwards) > 2  # the two logical batches of ~16 chunks ran as pieces of at most 4
