@@ -142,10 +142,11 @@ def decode_benchmark(
     if unknown:
         raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(known)}")
     ids_list = [p.view(1, -1).to(base.device) for p in prompts]
+    longest = max(ids_list, key=lambda ids: ids.shape[1])
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
         # the compiled step is warmed up at full length: its static cache is sized by the longest call
         length = max_new_tokens if mode == HF_COMPILED else min(16, max_new_tokens)
-        run_mode(mode, base, heads, max(ids_list, key=lambda ids: ids.shape[1]), length, policy, curve)
+        run_mode(mode, base, heads, longest, length, policy, curve)
     totals = {mode: ModeTotals() for mode in modes}
     looping = 0  # prompts whose greedy output ends in a repetition loop, which prompt lookup drafts for free
     for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):
