@@ -28,9 +28,10 @@ from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
-# transformers' fastest greedy configuration: a static KV cache and its torch.compile'd decoding step.
-# Not in the default set: compiling costs minutes on a CPU before the first token.
+# transformers' fastest greedy configuration: a static KV cache and its torch.compile'd decoding step,
+# and AMS-LD under the same settings. Not in the default set: compiling costs minutes on a CPU.
 HF_COMPILED = "hf_compiled"
+AMS_COMPILED = "ams_compiled"
 # Ablations of AMS-LD that can be added with `modes`: each source of candidates on its own.
 ABLATIONS = {
     "ams_heads_only": {"ngram": False},
@@ -109,8 +110,10 @@ def run_mode(
         return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS)
     if mode == HF_COMPILED:
         return hf_generate(base, ids, max_new_tokens, compiled=True)
+    compiled = mode == AMS_COMPILED
     if mode in ABLATIONS:
         policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
+    if mode in ABLATIONS or compiled:
         mode = "ams"
     result = generate(
         base,
@@ -121,6 +124,7 @@ def run_mode(
         degeneration_guard=False,
         policy=policy,
         curve=curve,
+        compiled=compiled,
     )
     return Run(result.tokens, result.seconds, max(1, result.base_forwards))
 
@@ -138,7 +142,7 @@ def decode_benchmark(
     """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
     if "hf_greedy" not in modes:
         raise ValueError("the benchmark needs the hf_greedy reference mode")
-    known = BENCH_MODES + (HF_COMPILED,) + tuple(ABLATIONS)
+    known = BENCH_MODES + (HF_COMPILED, AMS_COMPILED) + tuple(ABLATIONS)
     unknown = set(modes) - set(known)
     if unknown:
         raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(known)}")
@@ -146,7 +150,7 @@ def decode_benchmark(
     longest = max(ids_list, key=lambda ids: ids.shape[1])
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
         # the compiled step is warmed up at full length: its static cache is sized by the longest call
-        length = max_new_tokens if mode == HF_COMPILED else min(16, max_new_tokens)
+        length = max_new_tokens if mode in (HF_COMPILED, AMS_COMPILED) else min(16, max_new_tokens)
         run_mode(mode, base, heads, longest, length, policy, curve)
     totals = {mode: ModeTotals() for mode in modes}
     judge = DivergenceJudge(base)

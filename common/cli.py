@@ -271,7 +271,8 @@ def bench_decode_cmd(
     modes: str = typer.Option(
         "hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
         help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree; hf_compiled: "
-        "transformers' static cache + torch.compile (minutes of compilation first on a CPU).",
+        "transformers' static cache + torch.compile, and ams_compiled: AMS-LD under the same settings "
+        "(CUDA graphs on CUDA; minutes of compilation first on a CPU).",
     ),
     calibrate: bool = typer.Option(
         False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."

@@ -167,6 +167,36 @@ def test_ams_greedy_equals_hf_greedy_property(models):
     assert max(taus) > 1.3
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_ams_on_a_static_cache_equals_hf_greedy(models, monkeypatch, arch):
+    """AMS-LD's compiled mode (a StaticCache, every tree padded to one width, compacted in place) gives
+    transformers' greedy tokens and the eager mode's very trees, also when its runner is reused by the
+    next call. torch.compile is the identity here: what is tested is the static-cache logic."""
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)
+    base, heads, noisy = models[arch]
+    accepted = 0
+    for seed, (draft, nodes) in enumerate([(heads, 16), (noisy, 8), (heads, 3), (heads, 16)]):
+        prompt = torch.randint(1, TINY_VOCAB, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt += prompt[:5]  # a repeat, which the n-gram source drafts
+        runs = [
+            generate(
+                base,
+                torch.tensor(prompt),
+                heads=draft,
+                policy=AmsPolicy(cost_aware=False, max_nodes=nodes),
+                max_new_tokens=32,
+                degeneration_guard=False,
+                compiled=compiled,
+            )
+            for compiled in (True, False)
+        ]
+        assert runs[0].mode == "ams"
+        assert runs[0].tokens == hf_greedy(base, prompt, 32)
+        assert runs[0].stats == runs[1].stats
+        accepted += runs[0].stats["accepted"]
+    assert accepted > 0  # drafts were accepted, so paths were compacted
+
+
 def test_trained_heads_alone_get_drafts_accepted(models):
     """Without the n-gram source, briefly trained heads still get tokens accepted (and stay exact)."""
     taus = []
@@ -798,13 +828,16 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8
 
 
-def test_bench_compiled_baseline_matches_greedy(tiny_base):
-    """transformers' static-cache + torch.compile greedy (hf_compiled) runs on a CPU too and gives generate's tokens."""
+def test_bench_compiled_modes_match_greedy(tiny_base):
+    """transformers' static-cache + torch.compile greedy (hf_compiled) and AMS-LD under the same settings
+    (ams_compiled) run on a CPU too and give generate's tokens."""
     base = perturb(load_base(tiny_base.path, device="cpu"), seed=4)
     prompts = [torch.arange(3, 3 + n) for n in (12, 9)]
-    summary = decode_benchmark(base, None, prompts, 8, modes=("hf_greedy", "hf_compiled"), progress=False)
-    row = summary["modes"]["hf_compiled"]
-    assert row["identical_to_hf_greedy"] and row["tokens_per_s"] > 0
+    modes = ("hf_greedy", "hf_compiled", "ams_compiled")
+    summary = decode_benchmark(base, noisy_heads(base, 0), prompts, 8, modes=modes, progress=False)
+    for mode in modes[1:]:
+        row = summary["modes"][mode]
+        assert row["identical_to_hf_greedy"] and row["tokens_per_s"] > 0
 
 
 def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(tmp_path, models):

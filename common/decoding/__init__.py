@@ -122,6 +122,7 @@ def generate(
     seed: int | None = None,
     curve: CostCurve | None = None,
     stopper: Stopper | None = None,
+    compiled: bool = False,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` (batch size 1); see the module docstring.
 
@@ -169,6 +170,7 @@ def generate(
                     generator,
                     curve,
                     reproducible=temperature > 0 and seed is not None,
+                    compiled=compiled,
                 )
             except UnsupportedCache as exc:
                 warnings.warn(

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from common.base import BaseModel, FedLookaheadError
+from common.decoding.tree import TreeSpec, attention_mask_4d, keep_cache_path, position_ids, to_device
 
 
 @dataclass
@@ -211,6 +213,96 @@ class BaseRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def tree_forward(self, tokens: torch.Tensor, spec: TreeSpec) -> torch.Tensor:
+        """Hidden states (q, d) of a tree's nodes, each seeing the cached prefix and its own ancestors."""
+        past = self.length
+        return self.forward(tokens.view(1, -1), attention_mask_4d(spec, past), position_ids(spec, past))[0]
+
+    def keep_path(self, past: int, path: Sequence[int]) -> None:
+        """After a tree forward, keep the prefix (`past` entries) and the accepted `path` of nodes only."""
+        keep_cache_path(self.cache, past, path)
+
+
+class StaticRunner(BaseRunner):
+    """The tree forward as one compiled graph: transformers' StaticCache plus `torch.compile` (CUDA graphs
+    on CUDA), the configuration `generate`'s compiled static-cache step uses.
+
+    Every tree is padded to `width` nodes, so that one graph serves every step. A padding node sees the
+    prefix and itself, and its cache slot is overwritten by the next step. The prompt's prefill runs
+    eagerly (its length varies). One runner per base and width (`shared`) keeps its cache and graph
+    across calls, as `generate` keeps its static cache.
+    """
+
+    _shared: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+
+    def __init__(self, base: BaseModel, width: int, capacity: int, compile: bool = True) -> None:
+        super().__init__(base)
+        self.width = width
+        self.capacity = capacity  # cache slots: the longest sequence plus one padded tree
+        self.cache = StaticCache(config=base.model.config, max_cache_len=capacity)
+        self._length = 0
+        self._padding = torch.arange(width, device=base.device)
+        mode = "reduce-overhead" if base.device.type == "cuda" else None
+        self.step = torch.compile(self.body, mode=mode) if compile else self.body
+
+    @classmethod
+    def shared(cls, base: BaseModel, width: int, longest: int) -> StaticRunner:
+        """This base's runner for trees of up to `width` nodes and sequences of up to `longest` tokens,
+        emptied for a new generation. Capacities are powers of two (at least 256), so that a few
+        graphs serve every length, and attention does not read thousands of unused slots."""
+        capacity = min(max(256, 1 << (longest + width - 1).bit_length()), base.max_positions + width)
+        runners = cls._shared.setdefault(base.model, {})
+        runner = runners.get((width, capacity)) or runners.setdefault((width, capacity), cls(base, width, capacity))
+        runner.cache.reset()
+        runner._length = 0
+        return runner
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def plain_cache(self) -> bool:
+        return all(type(layer) is StaticLayer for layer in self.cache.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = super().forward(input_ids, attention_mask, position_ids)
+        self._length += input_ids.shape[1]
+        return hidden
+
+    def tree_forward(self, tokens: torch.Tensor, spec: TreeSpec) -> torch.Tensor:
+        past, q = self._length, spec.size
+        if q > self.width:
+            raise ValueError(f"a tree of {q} nodes does not fit this runner's width of {self.width}")
+        ids = tokens.new_zeros(1, self.width)
+        ids[0, :q] = tokens
+        positions = torch.full_like(ids, past)
+        positions[0, :q] += spec.depth_t
+        mask = spec.bias.new_full((self.width, self.capacity), torch.finfo(spec.bias.dtype).min)
+        mask[:, :past] = 0
+        mask[:q, past : past + q] = spec.bias
+        pad = self._padding[q:]
+        mask[pad, pad + past] = 0
+        kwargs = {self.cache_kw: self.cache}
+        out = self.step(input_ids=ids, attention_mask=mask.view(1, 1, *mask.shape), position_ids=positions, **kwargs)
+        self._length += self.width
+        return out.last_hidden_state[0, :q].clone()  # a CUDA graph's output buffer is reused by its next replay
+
+    def keep_path(self, past: int, path: Sequence[int]) -> None:
+        m = len(path)
+        moved = any(node != i for i, node in enumerate(path))
+        index = to_device(path, self.base.device) + past if moved else None
+        for layer in self.cache.layers:  # in place: the graph reads these tensors at fixed addresses
+            if moved:
+                layer.keys[..., past : past + m, :] = layer.keys.index_select(-2, index)
+                layer.values[..., past : past + m, :] = layer.values.index_select(-2, index)
+            layer.cumulative_length.fill_(past + m)  # where the next forward writes
+        self._length = past + m
 
 
 class Timer:

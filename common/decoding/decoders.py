@@ -15,14 +15,11 @@ import torch
 
 from common.base import BaseModel
 from common.decoding.calibration import CostCurve
-from common.decoding.core import BaseRunner, Stopper, sampling_probs
+from common.decoding.core import BaseRunner, StaticRunner, Stopper, sampling_probs
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
 from common.decoding.tree import (
     TreeSpecCache,
-    attention_mask_4d,
     greedy_verify,
-    keep_cache_path,
-    position_ids,
     row,
     sample_accept,
     to_device,
@@ -71,15 +68,18 @@ def ams_decode(
     generator: torch.Generator,
     curve: CostCurve | None = None,
     reproducible: bool = False,
+    compiled: bool = False,
 ) -> tuple[list[int], int, str, dict]:
     """AMS-LD: draft a tree, verify it in one forward, keep the longest accepted path plus the bonus token.
 
     `curve` (this device's verify costs) lets the drafter size each tree; None: fixed budgets.
     `reproducible`: do not feed step wall times back into tree sizing, so that a seeded sampling run
     draws the same random numbers for the same trees every time.
+    `compiled`: verify in a compiled static-cache graph (`StaticRunner`) instead of eagerly.
     """
     device = base.device
-    runner = BaseRunner(base)
+    width = policy.max_nodes + 1
+    runner = StaticRunner.shared(base, width, ids.shape[1] + stopper.limit) if compiled else BaseRunner(base)
     drafter = HeadsTreeDrafter(heads, policy, curve)
     specs = TreeSpecCache(base.dtype, device)
     sampling = temperature > 0
@@ -103,7 +103,7 @@ def ams_decode(
         tree_tokens, parents = drafter.propose(root, values, context, max_depth=max_positions - 1 - past)
         spec = specs.get(parents)
         tokens_t = to_device(tree_tokens, device)
-        hidden = runner.forward(tokens_t.view(1, -1), attention_mask_4d(spec, past), position_ids(spec, past))[0]
+        hidden = runner.tree_forward(tokens_t, spec)
         forwards += 1
         if sampling:
             probs = sampling_probs(runner.logits(hidden), temperature, top_p)  # (q, V)
@@ -121,7 +121,7 @@ def ams_decode(
         packed = torch.cat([torch.stack([best, bonus]).double(), draft]).tolist()  # the step's one sync
         path = spec.paths[int(packed[0])]
         root, values = int(packed[1]), packed[2:]
-        keep_cache_path(runner.cache, past, path)
+        runner.keep_path(past, path)
         now = time.perf_counter()
         drafter.feedback(path[1:], 0.0 if reproducible else now - step_started)
         step_started = now
