@@ -31,7 +31,7 @@ from common.decoding import (
     sampling_probs,
 )
 from common.decoding.calibration import CostCurve
-from common.decoding.core import BaseRunner
+from common.decoding.core import BaseRunner, StaticRunner
 from common.decoding.drafting import Candidate, choose_tree
 from common.decoding.tree import (
     attention_mask_4d,
@@ -195,6 +195,21 @@ def test_compiled_ams_on_a_static_cache_equals_hf_greedy(models, monkeypatch, ar
         assert runs[0].stats == runs[1].stats
         accepted += runs[0].stats["accepted"]
     assert accepted > 0  # drafts were accepted, so paths were compacted
+
+
+def test_a_compiled_runner_goes_with_its_model(tiny_base, monkeypatch):
+    """The runner (static cache and graph) kept per base for the next call does not keep the base alive."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)
+    base = load_base(tiny_base.path, device="cpu")
+    generate(base, torch.tensor([5, 6, 7]), heads=noisy_heads(base, 0), max_new_tokens=4, compiled=True)
+    model = weakref.ref(base.model)
+    assert model() in StaticRunner._shared
+    del base
+    gc.collect()
+    assert model() is None
 
 
 def test_trained_heads_alone_get_drafts_accepted(models):

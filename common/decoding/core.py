@@ -184,7 +184,7 @@ class BaseRunner:
     """The base model's body + LM head driven directly with a DynamicCache (no `generate` machinery)."""
 
     def __init__(self, base: BaseModel) -> None:
-        self.base = base
+        self.device = base.device
         self.body = base.model.base_model
         self.lm_head = base.model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.body)
@@ -234,6 +234,8 @@ class StaticRunner(BaseRunner):
     across calls, as `generate` keeps its static cache.
     """
 
+    # base model -> {(width, capacity): runner}; a runner holds the model's body, not the model itself,
+    # so an entry goes when its model does
     _shared: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
     def __init__(self, base: BaseModel, width: int, capacity: int, compile: bool = True) -> None:
@@ -296,7 +298,7 @@ class StaticRunner(BaseRunner):
     def keep_path(self, past: int, path: Sequence[int]) -> None:
         m = len(path)
         moved = any(node != i for i, node in enumerate(path))
-        index = to_device(path, self.base.device) + past if moved else None
+        index = to_device(path, self.device) + past if moved else None
         for layer in self.cache.layers:  # in place: the graph reads these tensors at fixed addresses
             if moved:
                 layer.keys[..., past : past + m, :] = layer.keys.index_select(-2, index)
