@@ -613,6 +613,27 @@ def test_drafter_candidates_are_the_heads_own_top_k_step_by_step(models):
     )
 
 
+def test_drafter_drafts_one_depth_beyond_the_deepest_head_node_verified(models):
+    """The number of lookahead steps adapts: after a tree whose deepest head node is at depth 1, the
+    next step drafts depths 1-2 only; after a full-depth tree, every head again."""
+    base, heads, _ = models["qwen2"]
+    drafter = HeadsTreeDrafter(heads, AmsPolicy(top_k=1, beam=1, ngram=False, cost_aware=False, min_path_prob=0.0))
+    hidden, token = torch.randn(1, base.hidden_size), torch.tensor([17])
+
+    def depths_drafted(max_nodes: int) -> int:
+        drafter.policy = AmsPolicy(
+            top_k=1, beam=1, ngram=False, cost_aware=False, min_path_prob=0.0, max_nodes=max_nodes
+        )
+        values = drafter.draft_inputs(hidden, token).tolist()
+        drafter.propose(5, values, [1, 2, 5], max_depth=8)
+        return len(values) // 3  # one candidate per depth with top_k = beam = 1
+
+    assert depths_drafted(max_nodes=1) == heads.num_heads  # the tree takes the depth-1 node only
+    assert depths_drafted(max_nodes=heads.num_heads) == 2  # ... so two depths, of which the tree takes both
+    assert depths_drafted(max_nodes=heads.num_heads) == 3
+    assert depths_drafted(max_nodes=1) == heads.num_heads
+
+
 def _lattice(probabilities: list[list[float]]) -> list[Candidate]:
     """A chain-of-siblings candidate list: at depth d, siblings with these path probabilities under node d-1's best."""
     out: list[Candidate] = []
