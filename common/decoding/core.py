@@ -238,7 +238,7 @@ class StaticRunner(BaseRunner):
     # so an entry goes when its model does
     _shared: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
-    def __init__(self, base: BaseModel, width: int, capacity: int, compile: bool = True) -> None:
+    def __init__(self, base: BaseModel, width: int, capacity: int) -> None:
         super().__init__(base)
         self.width = width
         self.capacity = capacity  # cache slots: the longest sequence plus one padded tree
@@ -246,7 +246,7 @@ class StaticRunner(BaseRunner):
         self._length = 0
         self._padding = torch.arange(width, device=base.device)
         mode = "reduce-overhead" if base.device.type == "cuda" else None
-        self.step = torch.compile(self.body, mode=mode) if compile else self.body
+        self.step = torch.compile(self.body, mode=mode)
 
     @classmethod
     def shared(cls, base: BaseModel, width: int, longest: int) -> StaticRunner:
