@@ -7,7 +7,7 @@ Wall-clock timers wrap the decoder's parts for the duration of the run (no cProf
 overhead would inflate the Python-heavy parts): the base body's forward (BaseRunner.forward), the LM
 head (a forward hook on the base's output embedding: verification and the first token), drafting
 (HeadsTreeDrafter.draft_inputs and .propose: the heads and the tree choice), cache compaction
-(keep_cache_path), and everything else inside `generate` (masks, acceptance, bookkeeping). On CPU every
+(the runner's keep_path), and everything else inside `generate` (masks, acceptance, bookkeeping). On CPU every
 op is synchronous, so the split is exact; on CUDA the timers synchronise first. `--heads-only` profiles
 AMS-LD without the n-gram source. The same prompts also run plain greedy decoding, whose ms per token is
 the yardstick for a step: a step pays when it costs less than tau greedy tokens. Prints a table, writes JSON.
@@ -25,7 +25,6 @@ from typing import Callable, Iterator
 
 import torch
 
-import common.decoding.decoders as decoders
 from common.base import DTYPES, BaseModel, FedLookaheadError, load_base
 from common.data import prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy, generate
@@ -58,7 +57,7 @@ def phase_timers(base: BaseModel) -> Iterator[dict[str, float]]:
         (BaseRunner, "forward", "base body"),
         (HeadsTreeDrafter, "draft_inputs", "drafting"),
         (HeadsTreeDrafter, "propose", "drafting"),
-        (decoders, "keep_cache_path", "cache compaction"),
+        (BaseRunner, "keep_path", "cache compaction"),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     lm_head = base.model.get_output_embeddings()
