@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import Cache, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from common.base import BaseModel, FedLookaheadError
-from common.decoding.tree import TreeSpec, attention_mask_4d, keep_cache_path, position_ids, to_device
+from common.decoding.tree import TreeSpec, attention_mask_4d, keep_cache_path, move_path_entries, position_ids
 
 
 @dataclass
@@ -183,12 +183,12 @@ def cache_kwarg(module: torch.nn.Module) -> str:
 class BaseRunner:
     """The base model's body + LM head driven directly with a DynamicCache (no `generate` machinery)."""
 
-    def __init__(self, base: BaseModel) -> None:
+    def __init__(self, base: BaseModel, cache: Cache | None = None) -> None:
         self.device = base.device
         self.body = base.model.base_model
         self.lm_head = base.model.get_output_embeddings()
         self.cache_kw = cache_kwarg(self.body)
-        self.cache = DynamicCache(config=base.model.config)
+        self.cache = cache if cache is not None else DynamicCache(config=base.model.config)
 
     @property
     def length(self) -> int:
@@ -239,10 +239,9 @@ class StaticRunner(BaseRunner):
     _shared: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
     def __init__(self, base: BaseModel, width: int, capacity: int) -> None:
-        super().__init__(base)
+        super().__init__(base, StaticCache(config=base.model.config, max_cache_len=capacity))
         self.width = width
         self.capacity = capacity  # cache slots: the longest sequence plus one padded tree
-        self.cache = StaticCache(config=base.model.config, max_cache_len=capacity)
         self._length = 0
         self._padding = torch.arange(width, device=base.device)
         mode = "reduce-overhead" if base.device.type == "cuda" else None
@@ -296,15 +295,10 @@ class StaticRunner(BaseRunner):
         return out.last_hidden_state[0, :q].clone()  # a CUDA graph's output buffer is reused by its next replay
 
     def keep_path(self, past: int, path: Sequence[int]) -> None:
-        m = len(path)
-        moved = any(node != i for i, node in enumerate(path))
-        index = to_device(path, self.device) + past if moved else None
-        for layer in self.cache.layers:  # in place: the graph reads these tensors at fixed addresses
-            if moved:
-                layer.keys[..., past : past + m, :] = layer.keys.index_select(-2, index)
-                layer.values[..., past : past + m, :] = layer.values.index_select(-2, index)
-            layer.cumulative_length.fill_(past + m)  # where the next forward writes
-        self._length = past + m
+        move_path_entries(self.cache, past, path)  # in place: the graph reads these tensors at fixed addresses
+        self._length = past + len(path)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self._length)  # where the next forward writes
 
 
 class Timer:

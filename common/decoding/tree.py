@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 
 @dataclass(frozen=True)
@@ -229,22 +229,29 @@ def sample_accept(
     return best, bonus
 
 
+def move_path_entries(cache: Cache, past: int, path: Sequence[int]) -> None:
+    """Move the accepted path's KV entries (in place) to follow the prefix, at past, past + 1, ...
+
+    `path` lists tree-node offsets (relative to `past`) in order, root first. A path that is
+    already 0, 1, 2, ... stays where it is.
+    """
+    if all(node == i for i, node in enumerate(path)):
+        return
+    m = len(path)
+    index = to_device(path, cache.layers[0].keys.device) + past
+    for layer in cache.layers:
+        layer.keys[..., past : past + m, :] = layer.keys.index_select(-2, index)
+        layer.values[..., past : past + m, :] = layer.values.index_select(-2, index)
+
+
 def keep_cache_path(cache: DynamicCache, past: int, path: Sequence[int]) -> None:
     """Compact the KV cache after a tree forward: keep the prefix and the accepted path only.
 
-    `path` lists tree-node offsets (relative to `past`) in order, root first. The cache holds
-    `past + q` entries after the forward; afterwards it holds `past + len(path)`, the accepted nodes
-    moved (in place) to be contiguous. A path that is already 0, 1, 2, ... costs only a crop.
+    The cache holds `past + q` entries after the forward; afterwards it holds `past + len(path)`, the
+    accepted nodes moved to be contiguous (`move_path_entries`). A path 0, 1, 2, ... costs only a crop.
     """
-    m = len(path)
-    contiguous = all(node == i for i, node in enumerate(path))
-    index = None
+    move_path_entries(cache, past, path)
+    end = past + len(path)
     for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        if not contiguous:
-            if index is None:
-                index = to_device(path, keys.device) + past
-            keys[..., past : past + m, :] = keys.index_select(-2, index)
-            values[..., past : past + m, :] = values.index_select(-2, index)
-        layer.keys = keys[..., : past + m, :]
-        layer.values = values[..., : past + m, :]
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
