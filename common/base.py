@@ -13,6 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
+from common.quant import quantize_int8
+
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
 
 
@@ -31,6 +33,7 @@ class BaseModel:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     path: Path
+    int8: bool = False  # linear layers in int8 (common.quant); the rest of the model in `dtype`
 
     @property
     def device(self) -> torch.device:
@@ -41,12 +44,17 @@ class BaseModel:
         return self.model.dtype
 
     @property
+    def precision(self) -> str:
+        """The weights' number format: int8, or the floating-point dtype's name (float32, bfloat16, ...)."""
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+
+    @property
     def hidden_size(self) -> int:
         return self.model.get_input_embeddings().weight.shape[1]
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        return self.model.get_output_embeddings().out_features
 
     @property
     def max_positions(self) -> int:
@@ -119,8 +127,13 @@ def check_weight_files(path: Path) -> None:
             raise FedLookaheadError(f"truncated or corrupt weight file {weights}: {_first_line(exc)}") from exc
 
 
-def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None = None) -> BaseModel:
-    """Load a local causal LM directory with its tokenizer, frozen and in eval mode."""
+def load_base(
+    path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, int8: bool = False
+) -> BaseModel:
+    """Load a local causal LM directory with its tokenizer, frozen and in eval mode.
+
+    `int8` quantizes its linear layers for a CPU device (see common.quant); the rest stays in fp32.
+    """
     path = Path(path).expanduser()
     if not path.is_dir():
         raise FedLookaheadError(f"base model directory not found: {path}")
@@ -146,12 +159,16 @@ def load_base(path: str | Path, device: str = "auto", dtype: torch.dtype | None 
         )
     check_weight_files(path)
     torch_device = resolve_device(device)
+    if int8 and (torch_device.type != "cpu" or dtype not in (None, torch.float32)):
+        raise FedLookaheadError("int8 weights are a CPU option: use --device cpu (on CUDA use bf16 or fp16)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
     except OSError as exc:
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
-    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path)
+    if int8:
+        quantize_int8(model)
+    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path, int8=int8)
 
 
 def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:

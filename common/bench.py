@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import CompileConfig
 
-from common.base import BaseModel
+from common.base import BaseModel, FedLookaheadError, load_base
+from common.data import chunk_files
 from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
 from common.decoding.decoders import ForwardCounter
 from common.heads import DraftHeads
@@ -248,6 +251,36 @@ class DivergenceJudge:
         return self._exact
 
 
+@torch.inference_mode()
+def heldout_loss(base: BaseModel, chunks: torch.Tensor) -> float:
+    """Mean next-token cross-entropy (nats) of a base over equal-length held-out chunks."""
+    losses = [float(base.model(input_ids=chunk.view(1, -1), labels=chunk.view(1, -1)).loss) for chunk in chunks]
+    return sum(losses) / len(losses)
+
+
+QUALITY_CHUNKS, QUALITY_CHUNK_LEN = 32, 256  # 8,192 held-out tokens: the loss to about 0.01 nats
+
+
+def int8_quality(base: BaseModel, files: list[Path]) -> dict:
+    """What int8 weights cost in quality: held-out loss of this int8 base against its fp32 original."""
+    chunks = torch.empty(0, QUALITY_CHUNK_LEN, dtype=torch.long)
+    for start in range(0, len(files), 8):  # tokenize only as many files as the chunks need
+        chunks = torch.cat([chunks, chunk_files(files[start : start + 8], base.tokenizer, QUALITY_CHUNK_LEN)])
+        if len(chunks) >= QUALITY_CHUNKS:
+            break
+    if len(chunks) == 0:
+        raise FedLookaheadError(f"no held-out file is {QUALITY_CHUNK_LEN} tokens long: int8 quality not measured")
+    chunks = chunks[:QUALITY_CHUNKS]
+    int8 = heldout_loss(base, chunks)
+    fp32 = heldout_loss(load_base(base.path, device="cpu"), chunks)
+    return {
+        "heldout_loss_int8": round(int8, 4),
+        "heldout_loss_fp32": round(fp32, 4),
+        "perplexity_ratio": round(math.exp(int8 - fp32), 4),
+        "heldout_tokens": chunks.numel(),
+    }
+
+
 def format_table(summary: dict) -> str:
     lines = [f"{'mode':<18}{'tokens/s':>10}{'tau':>8}{'speedup':>9}  identical to hf_greedy"]
     for mode, row in summary["modes"].items():
@@ -259,6 +292,13 @@ def format_table(summary: dict) -> str:
         f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
         f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop"
     )
+    if "int8_quality" in summary:
+        quality = summary["int8_quality"]
+        lines.append(
+            f"int8 quality: held-out loss {quality['heldout_loss_int8']:.4f} against fp32 "
+            f"{quality['heldout_loss_fp32']:.4f} nats (perplexity x{quality['perplexity_ratio']:.3f}, "
+            f"{quality['heldout_tokens']} tokens)"
+        )
     return "\n".join(lines)
 
 

@@ -279,7 +279,7 @@ def bench_decode_cmd(
     ),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
-    from common.bench import decode_benchmark, format_table
+    from common.bench import decode_benchmark, format_table, int8_quality
     from common.data import prompts_from_files, stdlib_files, text_files
     from common.decoding import cost_curve
 
@@ -305,6 +305,8 @@ def bench_decode_cmd(
         summary = decode_benchmark(
             model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")), curve=curve
         )
+        if model.int8:
+            summary["int8_quality"] = int8_quality(model, files)
     except (FedLookaheadError, ValueError) as exc:
         fail(str(exc))
     summary["cost_curve"] = curve.relative()

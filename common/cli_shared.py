@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import NoReturn, Optional
 
+import torch
 import typer
 
 from common.base import DTYPES as base_dtypes
@@ -23,10 +24,11 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-DTYPES = {"auto": None, **base_dtypes}
+DTYPES = {"auto": None, **base_dtypes, "int8": torch.float32}  # int8: linear layers in int8, the rest fp32
 DTYPE_HELP = (
-    "auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16. The baselines run on the same "
-    "weights, and losslessness is judged against the base in that dtype."
+    "auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16 | int8 (CPU: int8 linear layers, "
+    "exact integer products). The baselines run on the same weights, and losslessness is judged "
+    "against the base in that format."
 )
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
 
@@ -37,7 +39,10 @@ def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") ->
 
     if dtype not in DTYPES:
         raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
-    return load_base(resolve_base(base), device=device, dtype=DTYPES[dtype])
+    int8 = dtype == "int8"
+    if int8 and device == "auto":
+        device = "cpu"  # int8 is a CPU option
+    return load_base(resolve_base(base), device=device, dtype=DTYPES[dtype], int8=int8)
 
 
 def check_output_path(path: Path, kind: str) -> None:

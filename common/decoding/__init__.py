@@ -38,9 +38,10 @@ from common.decoding.core import (
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.heads import DraftHeads
+from common.quant import EXACT_ATTENTION
 
 MODES = ("ams", "greedy", "beam", "fused")
-TREE_ATTENTION = ("eager", "sdpa")  # attention implementations that accept the tree's 4D additive mask
+TREE_ATTENTION = ("eager", "sdpa", EXACT_ATTENTION)  # attention implementations that accept the tree's 4D additive mask
 
 __all__ = [
     "MODES",

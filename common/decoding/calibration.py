@@ -78,8 +78,8 @@ class CostCurve:
 
 
 def calibration_key(base: BaseModel) -> str:
-    """What the curve depends on: base, device, dtype, threads and the torch build."""
-    return f"{base.fingerprint}-{base.device.type}-{str(base.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-{torch.__version__}"
+    """What the curve depends on: base, device, number format, threads and the torch build."""
+    return f"{base.fingerprint}-{base.device.type}-{base.precision}-t{torch.get_num_threads()}-{torch.__version__}"
 
 
 def _seconds(fn, device: torch.device) -> float:

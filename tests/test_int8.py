@@ -1,0 +1,165 @@
+"""int8 base weights (common.quant): exact integer products, shape-independent logits, AMS-LD lossless on
+the int8 base, the quality report and the option's errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+from typer.testing import CliRunner
+
+from common.base import BaseModel, FedLookaheadError, load_base
+from common.bench import decode_benchmark, int8_quality
+from common.cli import app
+from common.data import stdlib_files
+from common.decoding import generate
+from common.decoding.calibration import calibration_key
+from common.decoding.core import BaseRunner
+from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
+from common.heads import DraftHeads
+from common.quant import EXACT_ATTENTION, Int8DynamicLinear, quantize_int8
+from tests.conftest import save_tiny
+from tests.test_decoding import ARCHS, hf_greedy, perturb, quickly_trained_heads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def int8_base(directory, seed: int) -> BaseModel:
+    """A tiny base with perturbed (non-degenerate) weights, then quantized, as load_base(int8=True) does."""
+    base = perturb(load_base(directory, device="cpu"), seed=seed)
+    quantize_int8(base.model)
+    return dataclasses.replace(base, int8=True)
+
+
+@pytest.fixture(scope="module")
+def int8_models(tmp_path_factory, tiny_tokenizer) -> dict[str, tuple[BaseModel, DraftHeads]]:
+    out = {}
+    for index, arch in enumerate(ARCHS):
+        base = int8_base(save_tiny(tmp_path_factory.mktemp(f"int8-{arch}"), tiny_tokenizer, arch), seed=index + 1)
+        out[arch] = (base, quickly_trained_heads(base))
+    return out
+
+
+def test_int8_linear_rows_are_independent_and_close_to_float():
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 40).requires_grad_(False)
+    quantized = Int8DynamicLinear.of(layer)
+    x = torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7).view(1, 7, 1)  # rows of very different scales
+    out = quantized(x)
+    assert out.shape == (2, 7, 40) and out.dtype == torch.float32
+    for b in range(2):
+        for t in range(7):  # a row's output is bit-identical whatever else is in the batch
+            assert torch.equal(quantized(x[b, t : t + 1]), out[b, t : t + 1])
+    reference = layer(x)
+    error = (out - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert float(error.max()) < 0.03  # per-row and per-channel scales: about 1% relative error
+    assert torch.allclose(quantized.weight, layer.weight, atol=float(layer.weight.abs().max()) / 127)
+    assert quantized(torch.zeros(3, 96)).allclose(layer.bias.expand(3, 40))  # an all-zero row: no 0/0
+
+
+def test_gpt2_conv1d_layers_and_the_tied_head_are_quantized():
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        reference = model(ids).logits
+        quantize_int8(model)
+        logits = model(ids).logits
+    assert isinstance(model.transformer.h[0].attn.c_attn, Int8DynamicLinear)
+    assert isinstance(model.lm_head, Int8DynamicLinear)
+    assert isinstance(model.transformer.wte, nn.Embedding)  # the input embedding stays in float
+    assert model.config._attn_implementation == EXACT_ATTENTION
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_tree_logits_equal_plain_decoding_bit_for_bit(int8_models, arch):
+    """The property that makes AMS-LD lossless on the int8 base: a tree node's logits are exactly those of
+    a one-token forward after its path, although the int8 rounding would amplify any last-bit difference."""
+    base = int8_models[arch][0]
+    prefix = [3, 17, 99, 250, 4, 42, 7]
+    parents = (-1, 0, 0, 1, 1, 2, 3, 5)
+    tokens = [60, 61, 62, 63, 64, 65, 66, 67]
+    spec = build_tree_spec(parents, base.dtype, base.device)
+    with torch.inference_mode():
+        runner = BaseRunner(base)
+        runner.forward(torch.tensor([prefix]))
+        past = runner.length
+        tree = runner.logits(
+            runner.forward(torch.tensor([tokens]), attention_mask_4d(spec, past), position_ids(spec, past))
+        )
+        for node, path in enumerate(spec.paths):
+            plain = BaseRunner(base)
+            plain.forward(torch.tensor([prefix]))
+            for j in path:  # one token at a time, as plain greedy decoding runs
+                logits = plain.logits(plain.forward(torch.tensor([[tokens[j]]])))
+            assert torch.equal(tree[0, node], logits[0, 0]), node
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ams_on_the_int8_base_equals_its_greedy_generate(int8_models, arch):
+    base, heads = int8_models[arch]
+    prompt = list(range(5, 25))
+    reference = hf_greedy(base, prompt, 64)
+    result = generate(base, torch.tensor(prompt), mode="ams", heads=heads, max_new_tokens=64, degeneration_guard=False)
+    assert result.tokens == reference
+    assert result.base_forwards < len(reference)  # trees were verified and accepted on the int8 base
+
+
+def test_int8_bench_finds_every_mode_identical(int8_models):
+    base, heads = int8_models["llama"]
+    prompts = [torch.arange(5, 17), torch.arange(40, 50)]
+    summary = decode_benchmark(base, heads, prompts, 24, modes=("hf_greedy", "hf_prompt_lookup", "ams"), progress=False)
+    # transformers' own prompt lookup verifies several tokens per forward too: with float32 attention
+    # on the int8 base it disagreed with greedy generate; with exact attention it agrees
+    assert all(row["identical_to_hf_greedy"] for row in summary["modes"].values()), summary["modes"]
+    assert summary["modes"]["ams"]["tau"] > 1.05  # drafts were accepted (plain decoding: 1.0)
+
+
+def test_int8_quality_of_an_unperturbed_base_is_close_to_fp32(tiny_base_dir):
+    base = load_base(tiny_base_dir, device="cpu", int8=True)
+    quality = int8_quality(base, stdlib_files("heldout")[:12])
+    assert abs(quality["heldout_loss_int8"] - quality["heldout_loss_fp32"]) < 0.05, quality
+    assert quality["perplexity_ratio"] == pytest.approx(
+        2.718281828 ** (quality["heldout_loss_int8"] - quality["heldout_loss_fp32"]), rel=1e-3
+    )
+
+
+def test_int8_option_loads_binds_heads_and_keys_its_own_cost_curve(tiny_base_dir, tiny_base):
+    base = load_base(tiny_base_dir, device="cpu", int8=True)
+    assert base.int8 and base.precision == "int8" and base.dtype == torch.float32
+    assert base.vocab_size == tiny_base.vocab_size and base.fingerprint == tiny_base.fingerprint
+    assert calibration_key(base) != calibration_key(tiny_base) and "-int8-" in calibration_key(base)
+    heads = DraftHeads.fresh(base, 2, draft_vocab=list(range(0, base.vocab_size, 3)))
+    assert heads.draft_weight.shape == (len(range(0, base.vocab_size, 3)), base.hidden_size)
+    with pytest.raises(FedLookaheadError, match="CPU option"):
+        load_base(tiny_base_dir, device="cpu", dtype=torch.bfloat16, int8=True)
+
+
+def test_cli_int8(tiny_base_dir, tmp_path):
+    runner = CliRunner()
+    common = ["generate", "--base", str(tiny_base_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "6"]
+    result = runner.invoke(app, common + ["--dtype", "int8"])
+    assert result.exit_code == 0 and "tokens/s" in result.output, result.output
+    result = runner.invoke(app, common + ["--dtype", "int4"])
+    assert result.exit_code == 2 and "unknown --dtype 'int4'" in result.output
+    if not torch.cuda.is_available():
+        result = runner.invoke(app, common + ["--dtype", "int8", "--device", "cuda"])
+        assert result.exit_code == 2 and "CUDA is not available" in result.output
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in stdlib_files("heldout")[:6]:
+        shutil.copy(path, data / path.name)
+    out = tmp_path / "bench.json"
+    result = runner.invoke(
+        app,
+        ["bench-decode", "--data", str(data), "--base", str(tiny_base_dir), "--dtype", "int8", "--prompts", "1"]
+        + ["--prompt-tokens", "16", "--max-new-tokens", "6", "--modes", "hf_greedy,ams", "--json", str(out)],
+    )
+    assert result.exit_code == 0 and "int8 quality: held-out loss" in result.output, result.output
+    quality = json.loads(out.read_text())["int8_quality"]
+    assert set(quality) == {"heldout_loss_int8", "heldout_loss_fp32", "perplexity_ratio", "heldout_tokens"}
