@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import CompileConfig
+from transformers import CompileConfig, PreTrainedTokenizerBase
 
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.data import chunk_files
@@ -251,32 +251,39 @@ class DivergenceJudge:
         return self._exact
 
 
+QUALITY_CHUNKS, QUALITY_CHUNK_LEN = 32, 128
+
+
+def quality_chunks(files: list[Path], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """The held-out sample every quality figure uses: 32 chunks of 128 tokens, drawn with a fixed seed."""
+    chunks = chunk_files(files, tokenizer, QUALITY_CHUNK_LEN)
+    if len(chunks) == 0:
+        raise FedLookaheadError(f"no held-out file is {QUALITY_CHUNK_LEN} tokens long: quality not measured")
+    return chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:QUALITY_CHUNKS]]
+
+
 @torch.inference_mode()
-def heldout_loss(base: BaseModel, chunks: torch.Tensor) -> float:
-    """Mean next-token cross-entropy (nats) of a base over equal-length held-out chunks."""
-    losses = [float(base.model(input_ids=chunk.view(1, -1), labels=chunk.view(1, -1)).loss) for chunk in chunks]
-    return sum(losses) / len(losses)
-
-
-QUALITY_CHUNKS, QUALITY_CHUNK_LEN = 32, 256  # 8,192 held-out tokens: the loss to about 0.01 nats
+def heldout_quality(base: BaseModel, chunks: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Mean next-token cross-entropy (nats) over `chunks`, and the greedy choice at every position."""
+    losses, greedy = [], []
+    for chunk in chunks:
+        logits = base.model(input_ids=chunk.view(1, -1)).logits[0].float()
+        losses.append(torch.nn.functional.cross_entropy(logits[:-1], chunk[1:]))
+        greedy.append(logits.argmax(-1))
+    return float(torch.stack(losses).mean()), torch.stack(greedy)
 
 
 def int8_quality(base: BaseModel, files: list[Path]) -> dict:
-    """What int8 weights cost in quality: held-out loss of this int8 base against its fp32 original."""
-    chunks = torch.empty(0, QUALITY_CHUNK_LEN, dtype=torch.long)
-    for start in range(0, len(files), 8):  # tokenize only as many files as the chunks need
-        chunks = torch.cat([chunks, chunk_files(files[start : start + 8], base.tokenizer, QUALITY_CHUNK_LEN)])
-        if len(chunks) >= QUALITY_CHUNKS:
-            break
-    if len(chunks) == 0:
-        raise FedLookaheadError(f"no held-out file is {QUALITY_CHUNK_LEN} tokens long: int8 quality not measured")
-    chunks = chunks[:QUALITY_CHUNKS]
-    int8 = heldout_loss(base, chunks)
-    fp32 = heldout_loss(load_base(base.path, device="cpu"), chunks)
+    """What int8 weights cost in quality: held-out loss of this int8 base against its fp32 original, and
+    how often their greedy choices agree."""
+    chunks = quality_chunks(files, base.tokenizer)
+    int8, int8_greedy = heldout_quality(base, chunks)
+    fp32, fp32_greedy = heldout_quality(load_base(base.path, device="cpu"), chunks)
     return {
         "heldout_loss_int8": round(int8, 4),
         "heldout_loss_fp32": round(fp32, 4),
         "perplexity_ratio": round(math.exp(int8 - fp32), 4),
+        "greedy_agreement_with_fp32": round(float((int8_greedy == fp32_greedy).float().mean()), 4),
         "heldout_tokens": chunks.numel(),
     }
 
@@ -296,8 +303,8 @@ def format_table(summary: dict) -> str:
         quality = summary["int8_quality"]
         lines.append(
             f"int8 quality: held-out loss {quality['heldout_loss_int8']:.4f} against fp32 "
-            f"{quality['heldout_loss_fp32']:.4f} nats (perplexity x{quality['perplexity_ratio']:.3f}, "
-            f"{quality['heldout_tokens']} tokens)"
+            f"{quality['heldout_loss_fp32']:.4f} nats (perplexity x{quality['perplexity_ratio']:.3f}), greedy "
+            f"choice as fp32's at {quality['greedy_agreement_with_fp32']:.1%} of {quality['heldout_tokens']} tokens"
         )
     return "\n".join(lines)
 

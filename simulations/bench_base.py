@@ -6,7 +6,7 @@ Reports the one-off conversion time (from the base folder's fedla_build.json), t
 memory with the base loaded, transformers' greedy `generate` tokens/s at 1 and 2 CPU threads (4
 held-out prompts x 64 new tokens), and the verify cost curve c(n)/c(1) (one base forward over n new
 tokens after a 256-token KV cache, LM head over one row) at 1 and 2 threads, for each dtype asked
-for (`--dtypes fp32,bf16`). The quality cost of a dtype is its mean next-token loss on 32 held-out
+for (`--dtypes fp32,bf16,int8`; int8: see common/quant.py). The quality cost of a dtype is its mean next-token loss on 32 held-out
 chunks of 128 tokens, and how often its greedy choice agrees with fp32's there.
 """
 
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from common.base import DTYPES, BaseModel, load_base
-from common.data import chunk_files, prompts_from_files, stdlib_files
+from common.base import DTYPES, load_base
+from common.bench import heldout_quality, quality_chunks
+from common.data import prompts_from_files, stdlib_files
 from common.decoding.calibration import measure_cost_curve
 from common.default_model import ensure_default_base
 
@@ -44,25 +45,14 @@ def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int
     return tokens / seconds
 
 
-@torch.no_grad()
-def heldout_quality(base: BaseModel, chunks: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Mean next-token cross-entropy over `chunks`, and the greedy choice at every position."""
-    losses, greedy = [], []
-    for chunk in chunks:
-        logits = base.model(input_ids=chunk.view(1, -1)).logits[0].float()
-        losses.append(torch.nn.functional.cross_entropy(logits[:-1], chunk[1:]))
-        greedy.append(logits.argmax(-1))
-    return float(torch.stack(losses).mean()), torch.stack(greedy)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("runs/bench-base.json"))
-    parser.add_argument("--dtypes", default="fp32", help="Comma-separated: fp32, bf16, fp16.")
+    parser.add_argument("--dtypes", default="fp32", help="Comma-separated: fp32, bf16, fp16, int8.")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
-    if unknown := set(dtypes) - set(DTYPES):
-        parser.error(f"unknown dtypes {sorted(unknown)}: use {', '.join(DTYPES)}")
+    if unknown := set(dtypes) - {*DTYPES, "int8"}:
+        parser.error(f"unknown dtypes {sorted(unknown)}: use {', '.join(DTYPES)}, int8")
     path = ensure_default_base()
     build = json.loads((path / "fedla_build.json").read_text())
     result = {
@@ -73,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     reference_greedy = None
     for name in dict.fromkeys(["fp32", *dtypes]):  # fp32 first: the reference for greedy agreement
-        base = load_base(path, device="cpu", dtype=DTYPES[name])
+        base = load_base(path, device="cpu", dtype=DTYPES.get(name), int8=name == "int8")
         prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, 4, 64)
-        chunks = chunk_files(stdlib_files("heldout"), base.tokenizer, 128)
-        chunks = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:32]]
-        loss, greedy = heldout_quality(base, chunks)
+        loss, greedy = heldout_quality(base, quality_chunks(stdlib_files("heldout"), base.tokenizer))
         reference_greedy = greedy if reference_greedy is None else reference_greedy
         generate_tokens_per_s(base, prompts[:1], 8)  # warm-up
         row = {

@@ -124,6 +124,7 @@ def test_int8_quality_of_an_unperturbed_base_is_close_to_fp32(tiny_base_dir):
     base = load_base(tiny_base_dir, device="cpu", int8=True)
     quality = int8_quality(base, stdlib_files("heldout")[:12])
     assert abs(quality["heldout_loss_int8"] - quality["heldout_loss_fp32"]) < 0.05, quality
+    assert quality["greedy_agreement_with_fp32"] > 0.8 and quality["heldout_tokens"] == 32 * 128
     assert quality["perplexity_ratio"] == pytest.approx(
         2.718281828 ** (quality["heldout_loss_int8"] - quality["heldout_loss_fp32"]), rel=1e-3
     )
@@ -162,4 +163,10 @@ def test_cli_int8(tiny_base_dir, tmp_path):
     )
     assert result.exit_code == 0 and "int8 quality: held-out loss" in result.output, result.output
     quality = json.loads(out.read_text())["int8_quality"]
-    assert set(quality) == {"heldout_loss_int8", "heldout_loss_fp32", "perplexity_ratio", "heldout_tokens"}
+    assert set(quality) == {
+        "heldout_loss_int8",
+        "heldout_loss_fp32",
+        "perplexity_ratio",
+        "greedy_agreement_with_fp32",
+        "heldout_tokens",
+    }
