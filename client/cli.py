@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from common.base import FedLookaheadError
-from common.cli_shared import BASE_HELP, DTYPE_HELP, DTYPES, fail
+from common.cli_shared import BASE_HELP, DTYPE_HELP, base_loading, fail
 
 app = typer.Typer(
     help="The device daemon (fedla client --superlink ... --data ...) and its privacy ledger.",
@@ -129,17 +129,14 @@ def client_serve_cmd(
     from client.state import default_state_dir
     from common.default_model import resolve_base
 
-    if dtype not in DTYPES:
-        fail(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
     try:
         serve_endpoint(
             resolve_base(base),
             heads or (state_dir or default_state_dir()) / "heads" / "latest",
             host=host,
             port=port,
-            device=device,
-            dtype=DTYPES[dtype],
             max_queue=max_queue,
+            **base_loading(device, dtype),
         )
     except FedLookaheadError as exc:
         fail(str(exc))

@@ -283,9 +283,10 @@ class Endpoint:
         dtype: torch.dtype | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         policy: AmsPolicy | None = None,
+        int8: bool = False,
     ) -> None:
         self.base_dir = Path(base_dir).expanduser()
-        self.device, self.dtype, self.max_queue = device, dtype, max_queue
+        self.device, self.dtype, self.int8, self.max_queue = device, dtype, int8, max_queue
         self.policy = policy or AmsPolicy()
         self.heads = HeadsHolder(heads_dir)
         self.base: BaseModel | None = None
@@ -302,7 +303,7 @@ class Endpoint:
         """The base, loaded on first use; only ever called by the worker (or before it starts)."""
         if self.base is None:
             try:
-                self.base = load_base(self.base_dir, device=self.device, dtype=self.dtype)
+                self.base = load_base(self.base_dir, device=self.device, dtype=self.dtype, int8=self.int8)
             except FedLookaheadError as exc:
                 raise BaseUnavailable(f"base model unavailable: {one_line(str(exc))}") from exc
             self.heads.refresh(self.base)
@@ -434,13 +435,14 @@ def create_endpoint_app(
     dtype: torch.dtype | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
     policy: AmsPolicy | None = None,
+    int8: bool = False,
 ) -> FastAPI:
     """The endpoint's FastAPI app; `app.state.endpoint` is its Endpoint (base, heads holder, worker).
 
     `heads_dir`: the folder to watch for the newest heads (None: plain decoding only). A missing
     base directory does not fail here: requests get 503 until the base can be loaded.
     """
-    endpoint = Endpoint(base_dir, heads_dir, device, dtype, max_queue, policy)
+    endpoint = Endpoint(base_dir, heads_dir, device, dtype, max_queue, policy, int8)
     app = FastAPI(title="FedLookahead local endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.endpoint = endpoint
 
@@ -626,10 +628,11 @@ def start_endpoint(
     device: str = "auto",
     dtype: torch.dtype | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    int8: bool = False,
 ) -> EndpointServer:
     """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
     check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
+    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue, int8=int8)
     return EndpointServer(app, host, port).start()
 
 
@@ -642,10 +645,11 @@ def serve_endpoint(
     device: str = "auto",
     dtype: torch.dtype | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    int8: bool = False,
 ) -> None:
     """Serve in the foreground until interrupted (a standalone command)."""
     check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue)
+    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue, int8=int8)
     try:
         uvicorn.run(
             app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5

@@ -206,6 +206,12 @@ def generate_cmd(
     seed: Optional[int] = typer.Option(None),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    compiled: bool = typer.Option(
+        False,
+        "--compiled",
+        help="AMS-LD on a static cache, every tree verified in one torch.compile'd graph (CUDA graphs): "
+        "pays on a GPU, not on a CPU; the first call compiles (a minute or more).",
+    ),
 ) -> None:
     """Generate text with AMS-LD (or a baseline mode); prints the text, then tokens/s and tau."""
     import warnings
@@ -239,6 +245,7 @@ def generate_cmd(
                 stop_strings=stop,
                 degeneration_guard=not no_guard,
                 seed=seed,
+                compiled=compiled,
             )
         for warning in caught:
             if draft_heads is not None or mode not in ("ams", "fused"):

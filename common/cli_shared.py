@@ -33,16 +33,19 @@ DTYPE_HELP = (
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
 
 
+def base_loading(device: str = "auto", dtype: str = "auto") -> dict:
+    """load_base's keyword arguments for the --device and --dtype options (int8 is a CPU option)."""
+    if dtype not in DTYPES:
+        raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
+    int8 = dtype == "int8"
+    return {"device": "cpu" if int8 and device == "auto" else device, "dtype": DTYPES[dtype], "int8": int8}
+
+
 def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
     """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
     from common.default_model import resolve_base
 
-    if dtype not in DTYPES:
-        raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
-    int8 = dtype == "int8"
-    if int8 and device == "auto":
-        device = "cpu"  # int8 is a CPU option
-    return load_base(resolve_base(base), device=device, dtype=DTYPES[dtype], int8=int8)
+    return load_base(resolve_base(base), **base_loading(device, dtype))
 
 
 def check_output_path(path: Path, kind: str) -> None:

@@ -800,6 +800,11 @@ def test_cli_generate(tiny_base_dir, cli_heads, tmp_path, monkeypatch):
     result = runner.invoke(app, common + ["--prompt", "def add(a, b):", "--heads", str(cli_heads)])
     assert result.exit_code == 0, result.output
     assert "tokens/s" in result.output and "tau" in result.output and "[ams]" in result.output
+    with monkeypatch.context() as patch:  # what is tested is the wiring; compiling is test_compiled_ams_*'s
+        patch.setattr(torch, "compile", lambda module, **kwargs: module)
+        compiled = runner.invoke(app, common + ["--prompt", "def add(a, b):", "--heads", str(cli_heads), "--compiled"])
+    assert compiled.exit_code == 0 and "[ams]" in compiled.output, compiled.output
+    assert compiled.output.splitlines()[0] == result.output.splitlines()[0]  # the same text
     prompt_file = tmp_path / "prompt.py"
     prompt_file.write_text("import os\n")
     monkeypatch.setenv("FEDLA_HEADS", str(tmp_path / "no-heads-here"))

@@ -125,6 +125,19 @@ def test_completion_equals_generate(client, ref_base, heads_dir):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["endpoint-base0"]
 
 
+def test_an_int8_endpoint_answers_as_the_int8_base_generates(base_dir, heads_dir):
+    int8 = load_base(base_dir, device="cpu", int8=True)
+    expected = reference(int8, heads_dir, PROMPTS[0])
+    with serving(base_dir, heads_dir, int8=True) as (server, http):
+        response = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS})
+        assert response.status_code == 200, response.text
+        assert server.app.state.endpoint.base.int8
+    assert response.json()["choices"][0]["text"] == expected.text
+    assert (
+        expected.tokens == generate(int8, prompt_ids(int8, PROMPTS[0], False), mode="greedy", max_new_tokens=24).tokens
+    )
+
+
 def test_chat_completion_equals_generate(client, ref_base, heads_dir):
     expected = reference(ref_base, heads_dir, PROMPTS[1], chat=True)
     messages = [{"role": "user", "content": PROMPTS[1]}]
