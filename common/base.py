@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
-from common.quant import quantize_int8
+from common.quant import public_calibration, quantize_int8
 
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
 
@@ -167,7 +167,7 @@ def load_base(
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
     if int8:
-        quantize_int8(model)
+        quantize_int8(model, public_calibration(tokenizer))
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path, int8=int8)
 
 

@@ -8,6 +8,13 @@ what keeps AMS-LD lossless against this quantized base. A per-tensor activation 
 deprecated `torch.ao.quantization.quantize_dynamic` uses) would let the tree's nodes change each other's
 logits.
 
+Smoothing (SmoothQuant, Xiao et al. 2023): a few input channels carry outlier activations, and one
+scale per token spends its 8 bits on them. Each input channel j is divided by s_j = sqrt(max|x_j| /
+max|W_:j|) before quantizing and its weight column multiplied by s_j, which leaves the product unchanged
+and moves the outliers' range into the weights. max|x_j| comes from 16 public chunks of 128 tokens (the
+stdlib training split) run through the float model. On the embedded base this cut the held-out loss
+cost from 0.052 to 0.012 nats (greedy choice as fp32's at 92.7% of positions, against 88.1%).
+
 The integer products alone are not enough: attention still sums in floating point, and a tree node's
 keys lie at other places than in plain decoding, so its sums round differently in the last bit. A
 last-bit change that crosses a rounding boundary of the next layer's int8 quantization grows to a
@@ -26,39 +33,48 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.pytorch_utils import Conv1D
 
 INT8_MAX = 127
+SMOOTH_FLOOR = 1e-5  # keeps smoothing factors finite for channels that are (nearly) zero
+CALIBRATION_CHUNKS, CALIBRATION_CHUNK_LEN = 16, 128
 
 
 class Int8DynamicLinear(nn.Module):
-    """y = x W^T + b with W in int8 (per output channel) and x quantized per row at run time."""
+    """y = x W^T + b with W in int8 (per output channel) and x quantized per row at run time, after the
+    input channels are divided by `smooth` (and W's columns multiplied by it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:
         super().__init__()
-        weight = weight.detach().float()  # (out, in)
+        smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.detach().float()
+        weight = weight.detach().float() * smooth  # (out, in)
         scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).to(torch.int8))
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("inv_smooth", 1 / smooth)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
-    def of(cls, layer: nn.Linear | Conv1D) -> Int8DynamicLinear:
-        if isinstance(layer, Conv1D):  # GPT-2's linear layers store (in, out)
-            return cls(layer.weight.t(), layer.bias)
-        return cls(layer.weight, layer.bias)
+    def of(cls, layer: nn.Linear | Conv1D, input_absmax: torch.Tensor | None = None) -> Int8DynamicLinear:
+        """The int8 twin of a float layer, smoothed for inputs whose channels reach `input_absmax`."""
+        weight = layer.weight.t() if isinstance(layer, Conv1D) else layer.weight  # GPT-2's Conv1D stores (in, out)
+        smooth = None
+        if input_absmax is not None:
+            weight_absmax = weight.detach().float().abs().amax(dim=0).clamp(min=SMOOTH_FLOOR)
+            smooth = (input_absmax.clamp(min=SMOOTH_FLOOR) / weight_absmax).sqrt().clamp(min=SMOOTH_FLOOR)
+        return cls(weight, layer.bias, smooth)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weights (out, in), for readers of `lm_head.weight` (the heads' draft rows)."""
-        return self.qweight.float() * self.scale[:, None]
+        return self.qweight.float() * self.scale[:, None] * self.inv_smooth
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
+        rows = x.reshape(-1, self.in_features).float() * self.inv_smooth
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / INT8_MAX
         quantized = torch.round(rows / row_scale).to(torch.int8)  # |rows / row_scale| <= 127 by construction
         out = torch._int_mm(quantized, self.qweight.t()).float().mul_(row_scale).mul_(self.scale)
@@ -91,16 +107,55 @@ AttentionInterface.register(EXACT_ATTENTION, exact_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_ATTENTION, sdpa_mask)
 
 
-def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
+def quantize_int8(model: PreTrainedModel, calibration: torch.Tensor | None = None) -> PreTrainedModel:
     """Replace every linear layer of a causal LM (nn.Linear, GPT-2's Conv1D, the LM head) in place and
-    switch its attention to `exact_attention`.
+    switch its attention to `exact_attention`. With `calibration` token chunks (n, length), each layer
+    is smoothed for the inputs the float model gives it there.
 
     The input embedding stays in floating point; a tied LM head gets its own int8 copy.
     """
-    for parent in list(model.modules()):
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+    absmax = {} if calibration is None else input_absmax(model, layers, calibration)
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (nn.Linear, Conv1D)):
-                setattr(parent, name, Int8DynamicLinear.of(child))
+            full = f"{parent_name}.{name}" if parent_name else name
+            if full in layers:
+                setattr(parent, name, Int8DynamicLinear.of(child, absmax.get(full)))
     model.config.tie_word_embeddings = False  # saving or resizing must not re-tie to the int8 head
     model.set_attn_implementation(EXACT_ATTENTION)
     return model
+
+
+@torch.inference_mode()
+def input_absmax(model: nn.Module, layers: dict[str, nn.Module], chunks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Largest |input| per channel of each named layer over the chunks (forward pre-hooks)."""
+    absmax: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+            absmax[name] = torch.maximum(absmax[name], x) if name in absmax else x
+
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(record(name)) for name, layer in layers.items()]
+    try:
+        for chunk in chunks:
+            model(input_ids=chunk.view(1, -1).to(model.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return absmax
+
+
+def public_calibration(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """The smoothing's calibration text: 16 chunks of 128 tokens of public code (stdlib training split)."""
+    from common.data import chunk_files, stdlib_files  # here: common.data imports common.base, which imports us
+
+    files = stdlib_files("train")
+    chunks = torch.empty(0, CALIBRATION_CHUNK_LEN, dtype=torch.long)
+    for start in range(0, len(files), 16):  # tokenize only as many files as the chunks need
+        chunks = torch.cat([chunks, chunk_files(files[start : start + 16], tokenizer, CALIBRATION_CHUNK_LEN)])
+        if len(chunks) >= CALIBRATION_CHUNKS:
+            break
+    return chunks[:CALIBRATION_CHUNKS]
