@@ -116,11 +116,9 @@ def quantize_int8(model: PreTrainedModel, calibration: torch.Tensor | None = Non
     """
     layers = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
     absmax = {} if calibration is None else input_absmax(model, layers, calibration)
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if full in layers:
-                setattr(parent, name, Int8DynamicLinear.of(child, absmax.get(full)))
+    for full, layer in layers.items():
+        parent, _, name = full.rpartition(".")
+        setattr(model.get_submodule(parent), name, Int8DynamicLinear.of(layer, absmax.get(full)))
     model.config.tie_word_embeddings = False  # saving or resizing must not re-tie to the int8 head
     model.set_attn_implementation(EXACT_ATTENTION)
     return model
