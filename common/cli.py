@@ -309,11 +309,12 @@ def bench_decode_cmd(
         draft_heads = _decoding_heads(heads, model, "ams")
         if draft_heads is None:
             typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
+        quality = int8_quality(model, files) if model.int8 else None  # first: a bad sample fails in seconds
         summary = decode_benchmark(
             model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")), curve=curve
         )
-        if model.int8:
-            summary["int8_quality"] = int8_quality(model, files)
+        if quality is not None:
+            summary["int8_quality"] = quality
     except (FedLookaheadError, ValueError) as exc:
         fail(str(exc))
     summary["cost_curve"] = curve.relative()

@@ -179,6 +179,15 @@ def test_cli_int8(tiny_base_dir, tmp_path):
         + ["--prompt-tokens", "16", "--max-new-tokens", "6", "--modes", "hf_greedy,ams", "--json", str(out)],
     )
     assert result.exit_code == 0 and "int8 quality: held-out loss" in result.output, result.output
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "a.py").write_text("def f(x):\n    return x + 1\n" * 6)  # a 16-token prompt, no 128-token chunk
+    result = runner.invoke(
+        app,
+        ["bench-decode", "--data", str(short), "--base", str(tiny_base_dir), "--dtype", "int8", "--prompts", "1"]
+        + ["--prompt-tokens", "16", "--max-new-tokens", "6", "--modes", "hf_greedy,ams"],
+    )
+    assert result.exit_code == 2 and "128 tokens long: quality not measured" in result.output, result.output
     quality = json.loads(out.read_text())["int8_quality"]
     assert set(quality) == {
         "heldout_loss_int8",
