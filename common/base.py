@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
+from common.attention import GQA_ATTENTION
 from common.quant import public_calibration, quantize_int8
 
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
@@ -166,6 +167,8 @@ def load_base(
     except OSError as exc:
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
+    if torch_device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(GQA_ATTENTION)  # trees verify without copying keys per head (common.attention)
     if int8:
         quantize_int8(model, public_calibration(tokenizer))
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path, int8=int8)

@@ -13,6 +13,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
+from common import quant
+from common.attention import EXACT_ATTENTION
 from common.base import BaseModel, FedLookaheadError, load_base
 from common.bench import decode_benchmark, int8_quality
 from common.cli import app
@@ -22,7 +24,7 @@ from common.decoding.calibration import calibration_key
 from common.decoding.core import BaseRunner
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
 from common.heads import DraftHeads
-from common.quant import EXACT_ATTENTION, Int8DynamicLinear, public_calibration, quantize_int8
+from common.quant import Int8DynamicLinear, Int8Slice, onednn_int8, public_calibration, quantize_int8
 from tests.conftest import save_tiny
 from tests.test_decoding import ARCHS, hf_greedy, perturb, quickly_trained_heads
 
@@ -51,7 +53,7 @@ def test_int8_linear_rows_are_independent_and_close_to_float(smoothed):
     layer = nn.Linear(96, 40).requires_grad_(False)
     x = torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7).view(1, 7, 1)  # rows of very different scales
     x[..., 5] *= 30  # an outlier channel, which smoothing moves into the weights
-    quantized = Int8DynamicLinear.of(layer, x.reshape(-1, 96).abs().amax(0) if smoothed else None)
+    quantized = Int8DynamicLinear.of([layer], x.reshape(-1, 96).abs().amax(0) if smoothed else None)
     out = quantized(x)
     assert out.shape == (2, 7, 40) and out.dtype == torch.float32
     for b in range(2):
@@ -64,6 +66,38 @@ def test_int8_linear_rows_are_independent_and_close_to_float(smoothed):
     bound = quantized.scale[:, None] / 2 * quantized.inv_smooth
     assert bool(((quantized.weight - layer.weight).abs() <= bound * 1.0001).all())
     assert quantized(torch.zeros(3, 96)).allclose(layer.bias.expand(3, 40))  # an all-zero row: no 0/0
+
+
+def test_layers_reading_one_input_share_one_fused_int8_layer(int8_models):
+    model = int8_models["llama"][0].model
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q, k, v, gate, up = attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj
+    assert all(isinstance(layer, Int8Slice) for layer in (q, k, v, gate, up))
+    assert q.fused is k.fused is v.fused and q.fused.readers == 3
+    assert gate.fused is up.fused and gate.fused.readers == 2 and gate.fused is not q.fused
+    assert type(attention.o_proj) is Int8DynamicLinear and type(mlp.down_proj) is Int8DynamicLinear
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    x = torch.randn(1, 3, q.in_features)
+    outputs = [q(x), k(x), v(x)]
+    assert [out.shape[-1] for out in outputs] == [config.hidden_size] + [config.num_key_value_heads * head_dim] * 2
+    assert torch.equal(torch.cat(outputs, dim=-1), q.fused(x))  # one quantized product, sliced
+    assert q.fused._shared is None  # the last reader let the activations go
+    assert torch.equal(k(x.clone()), outputs[1])  # another tensor with the same values: computed again, the same
+
+
+@pytest.mark.skipif(not onednn_int8(), reason="oneDNN's int8 linear does not run here")
+def test_onednn_and_int_mm_give_the_same_int8_layer_bit_for_bit(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(2048, 48).requires_grad_(False)
+    layer.weight[0] = 0.5  # a row and an input that saturate int8: an int32 sum of 127 * 127 * 2048 > 2**24
+    x = torch.randn(4, 2048)
+    x[1] = 3.0
+    packed = Int8DynamicLinear.of([layer])
+    monkeypatch.setattr(quant, "onednn_int8", lambda: False)
+    plain = Int8DynamicLinear.of([layer])
+    assert packed.packed is not None and packed.qweight is None and plain.packed is None
+    assert torch.equal(packed(x), plain(x)) and torch.equal(packed.weight, plain.weight)
 
 
 def test_gpt2_conv1d_layers_and_the_tied_head_are_quantized():

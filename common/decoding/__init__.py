@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from common.attention import EXACT_ATTENTION, GQA_ATTENTION
 from common.base import BaseModel, FedLookaheadError
 from common.decoding.calibration import CostCurve, cost_curve
 from common.decoding.core import (
@@ -38,10 +39,10 @@ from common.decoding.core import (
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.heads import DraftHeads
-from common.quant import EXACT_ATTENTION
 
 MODES = ("ams", "greedy", "beam", "fused")
-TREE_ATTENTION = ("eager", "sdpa", EXACT_ATTENTION)  # attention implementations that accept the tree's 4D additive mask
+# attention implementations that accept the tree's 4D additive mask
+TREE_ATTENTION = ("eager", "sdpa", GQA_ATTENTION, EXACT_ATTENTION)
 
 __all__ = [
     "MODES",
