@@ -3,9 +3,11 @@
 Speculative decoding pays only when the tokens a tree is expected to yield beat what verifying it
 costs, and that cost depends on the machine: on a GPU a 64-node tree costs about one token's step,
 on a 2-core CPU it costs several. So AMS-LD does not guess: at first use per (base, device, dtype,
-threads) it times the base's body over n = 1, 2, 4, ... new tokens after a KV cache of `past`
-tokens, and the LM head over n rows, and caches the curve as JSON under $FEDLA_HOME/calibration.
-Costs between measured sizes are interpolated linearly.
+threads) it times the base's body over n = 1, 2, ..., 8, 12, 16, ... 64 new tokens after a KV cache
+of `past` tokens, and the LM head over n rows, and caches the curve as JSON under
+$FEDLA_HOME/calibration. Costs between measured sizes are interpolated linearly. Every small size is
+measured because BLAS switches kernels there: in fp32 on the 2-core CPU, 3 tokens cost about what 2
+do, and 4 cost 1.5x as much (a curve through 2 and 4 alone priced 3-node trees 15% too high).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from transformers import DynamicCache
 from common.base import BaseModel
 from common.decoding.core import cache_kwarg
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_PAST = 256  # cached tokens before the timed forward (a typical prompt plus some output)
 
 
@@ -78,8 +80,9 @@ class CostCurve:
 
 
 def calibration_key(base: BaseModel) -> str:
-    """What the curve depends on: base, device, number format, threads and the torch build."""
-    return f"{base.fingerprint}-{base.device.type}-{base.precision}-t{torch.get_num_threads()}-{torch.__version__}"
+    """What the curve depends on: base, device, number format, attention kernel, threads and the torch build."""
+    attention = getattr(base.model.config, "_attn_implementation", "eager")
+    return f"{base.fingerprint}-{base.device.type}-{base.precision}-{attention}-t{torch.get_num_threads()}-{torch.__version__}"
 
 
 def _seconds(fn, device: torch.device) -> float:
