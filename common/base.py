@@ -14,7 +14,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from common.attention import GQA_ATTENTION
-from common.quant import public_calibration, quantize_int8
+from common.quant import public_int8_calibration, quantize_int8
 
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
 
@@ -169,9 +169,10 @@ def load_base(
     model.to(torch_device).eval().requires_grad_(False)
     if torch_device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(GQA_ATTENTION)  # trees verify without copying keys per head (common.attention)
+    fingerprint = fingerprint_dir(path)
     if int8:
-        quantize_int8(model, public_calibration(tokenizer))
-    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint_dir(path), path=path, int8=int8)
+        quantize_int8(model, public_int8_calibration(model, tokenizer, fingerprint))
+    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8=int8)
 
 
 def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:

@@ -37,9 +37,12 @@ the transposed view of an (out, in) matrix, as here, halved its time against an 
 from __future__ import annotations
 
 import functools
+import pickle
 import weakref
+from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
@@ -175,20 +178,73 @@ def _float_bias(layer: nn.Linear | Conv1D) -> torch.Tensor:
     return layer.bias.detach().float()
 
 
-def quantize_int8(model: PreTrainedModel, calibration: torch.Tensor | None = None) -> PreTrainedModel:
+@dataclass(frozen=True)
+class Int8Calibration:
+    """What quantizing learns from forwards of the float model: its linear layers grouped by the input
+    tensor they read, and the largest |input| per channel of each (None: no smoothing)."""
+
+    groups: list[list[str]]
+    absmax: dict[str, torch.Tensor] | None = None
+
+    def fits(self, layers: dict[str, nn.Module]) -> bool:
+        """Whether it names exactly these layers (a cached one may come from another model or version)."""
+        names = [name for group in self.groups for name in group]
+        if sorted(names) != sorted(layers):
+            return False
+        return self.absmax is None or all(
+            name in self.absmax and self.absmax[name].shape == (_float_weight(layer).shape[1],)
+            for name, layer in layers.items()
+        )
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear | Conv1D]:
+    """Every linear layer of a causal LM by name (nn.Linear, GPT-2's Conv1D, the LM head)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+
+
+def calibrate_int8(model: PreTrainedModel, chunks: torch.Tensor | None = None) -> Int8Calibration:
+    """The layer groups and, with token `chunks` (n, length), the inputs' channel maxima for smoothing.
+    Without chunks one 8-token forward finds the groups."""
+    absmax, groups = trace_inputs(model, linear_layers(model), torch.arange(8).view(1, 8) if chunks is None else chunks)
+    return Int8Calibration(groups, None if chunks is None else absmax)
+
+
+def public_int8_calibration(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str
+) -> Int8Calibration:
+    """`calibrate_int8` on `public_calibration`'s text, cached under $FEDLA_HOME/calibration by the base's
+    fingerprint: its 2,048 tokens of float forwards took most of an int8 load's 6 s on the 2-core CPU."""
+    from common.default_model import cache_root  # here: common.default_model imports common.base, which imports us
+
+    key = f"{fingerprint}-{CALIBRATION_CHUNKS}x{CALIBRATION_CHUNK_LEN}-transformers{transformers.__version__}"
+    path = cache_root() / "calibration" / f"int8-{key}.pt"
+    try:
+        data = torch.load(path, weights_only=True)
+        cached = Int8Calibration(data["groups"], data["absmax"])
+        if cached.fits(linear_layers(model)):
+            return cached
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
+        pass  # none yet, or damaged: measured again
+    calibration = calibrate_int8(model, public_calibration(tokenizer))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"groups": calibration.groups, "absmax": calibration.absmax}, tmp)
+    tmp.replace(path)
+    return calibration
+
+
+def quantize_int8(model: PreTrainedModel, calibration: Int8Calibration | None = None) -> PreTrainedModel:
     """Replace every linear layer of a causal LM (nn.Linear, GPT-2's Conv1D, the LM head) in place and
     switch its attention to `exact_attention`. Layers that read the same input tensor share one fused
-    int8 layer. With `calibration` token chunks (n, length), each is smoothed for the inputs the float
-    model gives it there.
+    int8 layer; with the calibration's channel maxima each is smoothed (see `calibrate_int8`).
 
     The input embedding stays in floating point; a tied LM head gets its own int8 copy.
     """
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
-    absmax, groups = trace_inputs(model, layers, torch.arange(8).view(1, 8) if calibration is None else calibration)
-    for group in groups:
-        fused = Int8DynamicLinear.of(
-            [layers[name] for name in group], None if calibration is None else absmax[group[0]]
-        )
+    layers = linear_layers(model)
+    calibration = calibration or calibrate_int8(model)
+    for group in calibration.groups:
+        absmax = None if calibration.absmax is None else calibration.absmax[group[0]]
+        fused = Int8DynamicLinear.of([layers[name] for name in group], absmax)
         fused.readers, start = len(group), 0
         for name in group:
             end = start + _float_weight(layers[name]).shape[0]

@@ -23,6 +23,7 @@ from common.decoding import generate
 from common.decoding.calibration import calibration_key
 from common.decoding.core import BaseRunner
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
+from common.default_model import cache_root
 from common.heads import DraftHeads
 from common.quant import Int8DynamicLinear, Int8Slice, onednn_int8, public_calibration, quantize_int8
 from tests.conftest import save_tiny
@@ -169,6 +170,28 @@ def test_smoothing_is_calibrated_on_public_text_and_changes_the_product_little(t
     assert torch.equal(unsmoothed.model.layers[0].mlp.down_proj.inv_smooth, torch.ones_like(layer.inv_smooth))
     reference = plain.model.model.layers[0].mlp.down_proj.weight
     assert torch.allclose(layer.weight, reference, atol=float(reference.abs().max()) / 50)
+
+
+def test_int8_calibration_is_cached_by_fingerprint_and_measured_again_when_damaged(tiny_base_dir, monkeypatch):
+    first = load_base(tiny_base_dir, device="cpu", int8=True)
+    [cached] = (cache_root() / "calibration").glob(f"int8-{first.fingerprint}-*.pt")
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.inference_mode():
+        reference = first.model(ids).logits
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the cached calibration was not used")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(quant, "trace_inputs", measured)
+        second = load_base(tiny_base_dir, device="cpu", int8=True)
+    cached.write_bytes(b"not a torch file")
+    third = load_base(tiny_base_dir, device="cpu", int8=True)  # measured again, and cached anew
+    with torch.inference_mode():
+        assert torch.equal(second.model(ids).logits, reference) and torch.equal(third.model(ids).logits, reference)
+    assert torch.load(cached, weights_only=True)["groups"]
+    plain = load_base(tiny_base_dir, device="cpu").model
+    assert not quant.Int8Calibration([["lm_head"]]).fits(quant.linear_layers(plain))  # another model's
 
 
 def test_int8_quality_of_an_unperturbed_base_is_close_to_fp32(tiny_base_dir):
