@@ -136,7 +136,7 @@ def client_serve_cmd(
             host=host,
             port=port,
             max_queue=max_queue,
-            **base_loading(device, dtype),
+            loading=base_loading(device, dtype),
         )
     except FedLookaheadError as exc:
         fail(str(exc))

@@ -56,7 +56,7 @@ from pydantic import ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.state import read_heads_meta
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, FedLookaheadError, Loading
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper, check_prompt, check_sampling
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
@@ -279,14 +279,12 @@ class Endpoint:
         self,
         base_dir: Path,
         heads_dir: Path | None,
-        device: str = "auto",
-        dtype: torch.dtype | None = None,
+        loading: Loading = Loading(),
         max_queue: int = DEFAULT_MAX_QUEUE,
         policy: AmsPolicy | None = None,
-        int8: bool = False,
     ) -> None:
         self.base_dir = Path(base_dir).expanduser()
-        self.device, self.dtype, self.int8, self.max_queue = device, dtype, int8, max_queue
+        self.loading, self.max_queue = loading, max_queue
         self.policy = policy or AmsPolicy()
         self.heads = HeadsHolder(heads_dir)
         self.base: BaseModel | None = None
@@ -303,7 +301,7 @@ class Endpoint:
         """The base, loaded on first use; only ever called by the worker (or before it starts)."""
         if self.base is None:
             try:
-                self.base = load_base(self.base_dir, device=self.device, dtype=self.dtype, int8=self.int8)
+                self.base = self.loading.load(self.base_dir)
             except FedLookaheadError as exc:
                 raise BaseUnavailable(f"base model unavailable: {one_line(str(exc))}") from exc
             self.heads.refresh(self.base)
@@ -431,18 +429,16 @@ def create_endpoint_app(
     base_dir: Path,
     heads_dir: Path | None,
     *,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
+    loading: Loading = Loading(),
     max_queue: int = DEFAULT_MAX_QUEUE,
     policy: AmsPolicy | None = None,
-    int8: bool = False,
 ) -> FastAPI:
     """The endpoint's FastAPI app; `app.state.endpoint` is its Endpoint (base, heads holder, worker).
 
     `heads_dir`: the folder to watch for the newest heads (None: plain decoding only). A missing
     base directory does not fail here: requests get 503 until the base can be loaded.
     """
-    endpoint = Endpoint(base_dir, heads_dir, device, dtype, max_queue, policy, int8)
+    endpoint = Endpoint(base_dir, heads_dir, loading, max_queue, policy)
     app = FastAPI(title="FedLookahead local endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.endpoint = endpoint
 
@@ -625,14 +621,12 @@ def start_endpoint(
     *,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
+    loading: Loading = Loading(),
     max_queue: int = DEFAULT_MAX_QUEUE,
-    int8: bool = False,
 ) -> EndpointServer:
     """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
     check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue, int8=int8)
+    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
     return EndpointServer(app, host, port).start()
 
 
@@ -642,14 +636,12 @@ def serve_endpoint(
     *,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
+    loading: Loading = Loading(),
     max_queue: int = DEFAULT_MAX_QUEUE,
-    int8: bool = False,
 ) -> None:
     """Serve in the foreground until interrupted (a standalone command)."""
     check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, device=device, dtype=dtype, max_queue=max_queue, int8=int8)
+    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
     try:
         uvicorn.run(
             app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5

@@ -128,6 +128,18 @@ def check_weight_files(path: Path) -> None:
             raise FedLookaheadError(f"truncated or corrupt weight file {weights}: {_first_line(exc)}") from exc
 
 
+@dataclass(frozen=True)
+class Loading:
+    """How to load a base: the device, the float dtype (None: the device's default), int8 linear layers."""
+
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+    int8: bool = False
+
+    def load(self, path: str | Path) -> BaseModel:
+        return load_base(path, self.device, self.dtype, self.int8)
+
+
 def load_base(
     path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, int8: bool = False
 ) -> BaseModel:

@@ -15,7 +15,7 @@ import torch
 import typer
 
 from common.base import DTYPES as base_dtypes
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, FedLookaheadError, Loading
 
 
 def fail(message: str) -> NoReturn:
@@ -33,19 +33,19 @@ DTYPE_HELP = (
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
 
 
-def base_loading(device: str = "auto", dtype: str = "auto") -> dict:
-    """load_base's keyword arguments for the --device and --dtype options (int8 is a CPU option)."""
+def base_loading(device: str = "auto", dtype: str = "auto") -> Loading:
+    """How the --device and --dtype options load a base (int8 is a CPU option)."""
     if dtype not in DTYPES:
         raise FedLookaheadError(f"unknown --dtype {dtype!r}: use {' | '.join(DTYPES)}")
     int8 = dtype == "int8"
-    return {"device": "cpu" if int8 and device == "auto" else device, "dtype": DTYPES[dtype], "int8": int8}
+    return Loading("cpu" if int8 and device == "auto" else device, DTYPES[dtype], int8)
 
 
 def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
     """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
     from common.default_model import resolve_base
 
-    return load_base(resolve_base(base), **base_loading(device, dtype))
+    return base_loading(device, dtype).load(resolve_base(base))
 
 
 def check_output_path(path: Path, kind: str) -> None:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.endpoint import EndpointServer, check_loopback, create_endpoint_app, serve_endpoint, start_endpoint
 from client.state import keep_global_heads
-from common.base import BaseModel, FedLookaheadError, load_base, prompt_ids
+from common.base import BaseModel, FedLookaheadError, Loading, load_base, prompt_ids
 from common.decoding import generate
 from common.heads import DraftHeads
 
@@ -68,7 +68,8 @@ def push_heads(state: Path, base: BaseModel, version: int) -> Path:
 
 @contextmanager
 def serving(base_dir: Path, heads_dir: Path | None, **options) -> Iterator[tuple[EndpointServer, httpx.Client]]:
-    server = EndpointServer(create_endpoint_app(base_dir, heads_dir, device="cpu", **options), port=0).start()
+    loading = Loading("cpu", int8=options.pop("int8", False))
+    server = EndpointServer(create_endpoint_app(base_dir, heads_dir, loading=loading, **options), port=0).start()
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             yield server, client

@@ -41,7 +41,7 @@ from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
 from client.state import EVENTS_FILE, default_state_dir
-from common.base import FedLookaheadError
+from common.base import FedLookaheadError, Loading
 from common.procs import flower_env, free_port
 
 __all__ = [
@@ -206,7 +206,7 @@ class ClientDaemon:
                         Path(values["base-model-dir"]),
                         self.state_dir / "heads" / "latest",
                         port=opts.serve_port,
-                        device=opts.device,
+                        loading=Loading(device=opts.device),
                     )
                 except FedLookaheadError as exc:
                     raise DaemonError(f"local generation endpoint: {exc}") from None
