@@ -296,6 +296,25 @@ def test_greedy_verify_uses_the_lm_head_on_internal_nodes_only():
     tokens[5] = (choices[4] + 1) % 20
     best, bonus = greedy_verify(spec, tokens, hidden, lm_head)
     assert int(best) == 4 and int(bonus) == int(choices[4])
+    for accepted_leaf in (False, True):  # one LM-head pass over every row finds the same node and bonus
+        if accepted_leaf:
+            tokens[5] = choices[4]  # node 5, a leaf, is accepted: its row gives the bonus token
+        two = greedy_verify(spec, tokens, hidden, lm_head)
+        one = greedy_verify(spec, tokens, hidden, lm_head, one_pass=True)
+        assert (
+            [int(x) for x in one]
+            == [int(x) for x in two]
+            == [5 if accepted_leaf else 4, int(choices[5 if accepted_leaf else 4])]
+        )
+
+
+def test_the_cost_curve_prices_the_lm_head_passes_greedy_verification_runs():
+    cpu = CostCurve((1, 3, 4, 8), (1.0, 1.05, 1.3, 1.5), (0.1, 0.11, 0.16, 0.3))  # few rows cost one row's time
+    assert cpu.one_lm_pass(3, 2)  # 0.11 for one pass against 0.1 + 0.1 for two
+    assert not cpu.one_lm_pass(8, 1)  # 0.3 against 0.2
+    assert cpu.tree_step(3, 2) == pytest.approx(cpu.body(3) + cpu.lm_head(3))
+    assert cpu.tree_step(8, 1) == pytest.approx(cpu.body(8) + 2 * cpu.lm_head(1))
+    assert cpu.tree_step(1, 0) == pytest.approx(cpu.verify(1, 1))  # plain decoding: one row
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -660,7 +679,7 @@ def test_choose_tree_maximises_expected_tokens_per_second():
         def value(n: int, order: list[int] = order, curve: CostCurve = curve) -> float:
             nodes = [candidates[i] for i in order[:n]]
             internal = len({c.parent for c in nodes})
-            return (1 + sum(c.estimate for c in nodes)) / (curve.verify(n + 1, internal + 1) + fixed)
+            return (1 + sum(c.estimate for c in nodes)) / (curve.tree_step(n + 1, internal) + fixed)
 
         assert value(len(chosen)) == pytest.approx(max(value(n) for n in range(len(order) + 1)))
     assert choose_tree(candidates, CURVES["steep"], 32, 0.0, fixed) == []  # nothing pays: plain decoding

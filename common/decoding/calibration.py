@@ -58,6 +58,18 @@ class CostCurve:
         """One tree step: the body over `nodes` tokens and the LM head over `lm_rows` rows."""
         return self.body(nodes) + self.lm_head(lm_rows)
 
+    def one_lm_pass(self, nodes: int, internal: int) -> bool:
+        """Whether greedy verification should run the LM head once over all `nodes` rows rather than over
+        the `internal` ones (those with children) and again over the accepted node's row for the bonus
+        token: in fp32 on the 2-core CPU three rows cost about what one does, so two passes cost double."""
+        return internal == 0 or self.lm_head(nodes) <= self.lm_head(internal) + self.lm_head(1)
+
+    def tree_step(self, nodes: int, internal: int) -> float:
+        """One greedy tree step: the body over `nodes` tokens and the LM-head passes verification runs."""
+        if self.one_lm_pass(nodes, internal):
+            return self.verify(nodes, nodes)
+        return self.verify(nodes, internal) + self.lm_head(1)
+
     def relative(self) -> dict[int, float]:
         """c(n) / c(1) for a full step (body + LM head over one row), as the README tables show it."""
         one = self.verify(1, 1)

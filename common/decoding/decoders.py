@@ -110,7 +110,8 @@ def ams_decode(
             uniforms = torch.rand(spec.size, generator=generator, device=device, dtype=probs.dtype)
             best, bonus = sample_accept(spec, tokens_t, probs, uniforms, generator)
         else:
-            best, bonus = greedy_verify(spec, tokens_t, hidden, runner.lm_head)
+            one_pass = curve is not None and curve.one_lm_pass(spec.size, spec.internal.numel())
+            best, bonus = greedy_verify(spec, tokens_t, hidden, runner.lm_head, one_pass)
         if heads.eagle:  # its layer reads every accepted position: the path is needed now (a second sync)
             accepted_nodes = list(spec.paths[int(best)])
             draft = drafter.draft_inputs(

@@ -155,14 +155,14 @@ def choose_tree(
         return [i for i in order if candidates[i].estimate >= min_prob]
     has_child: set[int] = set()
     internal = 0  # nodes with children need a row of the LM head; the root does once it has a child
-    expected, best_value, best_n = 1.0, 1.0 / (curve.verify(1, 1) + fixed_seconds), 0
+    expected, best_value, best_n = 1.0, 1.0 / (curve.tree_step(1, 0) + fixed_seconds), 0
     for n, i in enumerate(order, start=1):
         parent = candidates[i].parent
         if parent not in has_child:
             has_child.add(parent)
             internal += 1
         expected += candidates[i].estimate
-        value = expected / (curve.verify(n + 1, internal + 1) + fixed_seconds)
+        value = expected / (curve.tree_step(n + 1, internal) + fixed_seconds)
         if value > best_value:
             best_value, best_n = value, n
     return order[:best_n]
@@ -341,7 +341,7 @@ class HeadsTreeDrafter:
         self.acceptance.update(tree, {node - 1 for node in accepted_path})
         if self.curve is not None and step_seconds > 0:
             internal = len({c.parent for c in tree})
-            extra = max(0.0, step_seconds - self.curve.verify(len(tree) + 1, internal + 1))
+            extra = max(0.0, step_seconds - self.curve.tree_step(len(tree) + 1, internal))
             self.fixed_seconds = 0.8 * self.fixed_seconds + 0.2 * extra if self.stats["steps"] > 1 else extra
         self._idle = 0 if tree else self._idle + 1  # idle: no tree paid; the heads are probed now and then
         chain = self._chain

@@ -171,14 +171,19 @@ def greedy_accept(spec: TreeSpec, tokens: torch.Tensor, parent_choices: torch.Te
 
 
 def greedy_verify(
-    spec: TreeSpec, tokens: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module
+    spec: TreeSpec, tokens: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module, one_pass: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification of a tree from the base's hidden states (q, d): (deepest accepted node, bonus token).
 
     Only nodes with children need the base's choice to check their children, so the LM head runs on
     those rows, plus one row for the bonus token after the accepted node: leaves cost no LM-head
-    work unless accepted. All device tensors, no synchronisation.
+    work unless accepted. `one_pass` runs it once over every row instead, which is cheaper where a
+    few rows cost what one does (CostCurve.one_lm_pass decides). All device tensors, no synchronisation.
     """
+    if one_pass:
+        choices = lm_head(hidden).argmax(-1)
+        best = greedy_accept(spec, tokens, choices[spec.parent_t])
+        return best, choices[best]
     if spec.size == 1:
         best = spec.depth_t[0]  # the root (index 0) as a device scalar
     else:
