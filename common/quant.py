@@ -171,10 +171,16 @@ def _float_weight(layer: nn.Linear | Conv1D) -> torch.Tensor:
     return weight.detach().float()
 
 
+def _out_in(layer: nn.Linear | Conv1D) -> tuple[int, int]:
+    """A layer's (output, input) sizes, read from its weight's shape without copying it."""
+    out_features, in_features = layer.weight.shape
+    return (in_features, out_features) if isinstance(layer, Conv1D) else (out_features, in_features)
+
+
 def _float_bias(layer: nn.Linear | Conv1D) -> torch.Tensor:
     """A layer's bias as float32, zeros where it has none (for a fused layer whose others have one)."""
     if layer.bias is None:
-        return torch.zeros(_float_weight(layer).shape[0])
+        return torch.zeros(_out_in(layer)[0])
     return layer.bias.detach().float()
 
 
@@ -192,8 +198,7 @@ class Int8Calibration:
         if sorted(names) != sorted(layers):
             return False
         return self.absmax is None or all(
-            name in self.absmax and self.absmax[name].shape == (_float_weight(layer).shape[1],)
-            for name, layer in layers.items()
+            name in self.absmax and self.absmax[name].shape == (_out_in(layer)[1],) for name, layer in layers.items()
         )
 
 
@@ -247,7 +252,7 @@ def quantize_int8(model: PreTrainedModel, calibration: Int8Calibration | None = 
         fused = Int8DynamicLinear.of([layers[name] for name in group], absmax)
         fused.readers, start = len(group), 0
         for name in group:
-            end = start + _float_weight(layers[name]).shape[0]
+            end = start + _out_in(layers[name])[0]
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, fused if len(group) == 1 else Int8Slice(fused, start, end))
             start = end
