@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from common.base import BaseModel, FedLookaheadError
+from common.base import BaseModel
 from common.decoding.core import eos_ids
+from common.errors import FedLookaheadError
 from common.features import Features
+
+PUBLIC_FILES_PER_BATCH = 32
 
 
 def build_draft_vocab(base: BaseModel, public: Features, size: int) -> list[int]:
@@ -42,10 +45,21 @@ def coverage(draft_vocab: list[int], features: Features) -> float:
 
 def public_draft_vocab(base: BaseModel, size: int, chunks: int = 256, chunk_len: int = 128, seed: int = 0) -> list[int]:
     """The draft vocabulary from a seeded sample of public code (the stdlib train split), for heads that
-    start without one (a federation with no init-heads): every client gets the same public table."""
+    start without one (a federation with no init-heads): every client gets the same public table.
+
+    Files are drawn in a seeded order and tokenized only until twice `chunks` chunks are in hand (the
+    whole split took most of a small federation's start-up), and the chunks are drawn from those."""
     from common.data import chunk_files, stdlib_files
     from common.features import base_features
 
-    public = chunk_files(stdlib_files("train"), base.tokenizer, chunk_len)
-    sample = public[torch.randperm(len(public), generator=torch.Generator().manual_seed(seed))[:chunks]]
+    generator = torch.Generator().manual_seed(seed)
+    files = stdlib_files("train")
+    order = torch.randperm(len(files), generator=generator).tolist()
+    pool = torch.empty(0, chunk_len, dtype=torch.long)
+    for start in range(0, len(files), PUBLIC_FILES_PER_BATCH):
+        batch = [files[i] for i in order[start : start + PUBLIC_FILES_PER_BATCH]]
+        pool = torch.cat([pool, chunk_files(batch, base.tokenizer, chunk_len)])
+        if len(pool) >= 2 * chunks:
+            break
+    sample = pool[torch.randperm(len(pool), generator=generator)[:chunks]]
     return build_draft_vocab(base, base_features(base, sample), size)
