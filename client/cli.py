@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from common.base import FedLookaheadError
 from common.cli_shared import BASE_HELP, DTYPE_HELP, base_loading, fail
+from common.errors import FedLookaheadError
 
 app = typer.Typer(
     help="The device daemon (fedla client --superlink ... --data ...) and its privacy ledger.",

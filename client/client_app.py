@@ -75,7 +75,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
     from client.privacy import DeviceFloor, device_round, load_state, save_state, state_file, train_round
     from client.task import cached_base, client_data, client_features
-    from common.base import FedLookaheadError
+    from common.errors import FedLookaheadError
     from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
 
     config = client_config(context)

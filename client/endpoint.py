@@ -56,9 +56,10 @@ from pydantic import ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.state import read_heads_meta
-from common.base import BaseModel, FedLookaheadError, Loading
+from common.base import BaseModel, Loading
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper, check_prompt, check_sampling
+from common.errors import FedLookaheadError
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 
 log = logging.getLogger("fedla.endpoint")

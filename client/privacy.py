@@ -46,7 +46,7 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 from common.features import Features
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads

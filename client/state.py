@@ -51,7 +51,7 @@ KEEP_VERSIONS = 3  # versioned head folders kept in the state dir (the newest on
 
 
 def default_state_dir() -> Path:
-    from common.default_model import cache_root
+    from common.paths import cache_root
 
     return cache_root() / "client"
 

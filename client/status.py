@@ -25,7 +25,8 @@ from typing import Any
 
 from client.daemon.nodeconfig import NODE_CONFIG_FILE, read_node_config
 from client.state import EVENTS_FILE, HEADS_DIR_KEY, latest_heads
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
+from common.int8_kernels import cached_reports, cpu_info, describe_cpu
 from common.protocol import SKIPPED
 
 PRIVATE_CACHES = ("chunks", "features")  # what `forget` deletes
@@ -140,6 +141,16 @@ def _privacy(state: Path, node_config: dict) -> dict:
     return out
 
 
+def _machine() -> dict:
+    """This CPU, and the int8 kernel an unforced int8 load picks on it, as the newest one measured (None: no
+    int8 load yet; a name of None: no kernel is exact here)."""
+    reports = cached_reports()
+    if not reports:
+        return {"cpu": cpu_info(), "int8_kernel": None}
+    report = reports[0]
+    return {"cpu": report.cpu, "int8_kernel": {"name": report.fastest, "one_token_ms": report.one_token_ms}}
+
+
 def device_status(state_dir: Path) -> dict:
     """Everything `fedla client status` shows, as data; FedLookaheadError when there is no such folder."""
     state = state_dir.expanduser()
@@ -179,6 +190,7 @@ def device_status(state_dir: Path) -> dict:
             "node_id": (daemon or {}).get("node_id"),
         },
         "privacy": _privacy(state, node_config),
+        "machine": _machine(),
         "runs": [{k: v for k, v in run.items() if k != "last_time"} for run in runs],
         "last_round": ({"run": runs[-1]["name"] or runs[-1]["run"], "round": runs[-1]["last_round"]} if runs else None),
         "heads": heads,
@@ -230,6 +242,20 @@ def format_status(status: dict) -> str:
         )
     else:
         lines.append(f"privacy: lifetime epsilon UNKNOWN, budget {privacy['budget']:g}: {privacy['error']}")
+    machine = status["machine"]
+    kernel = machine["int8_kernel"]
+    lines.append(
+        f"cpu: {describe_cpu(machine['cpu'])}; int8 kernel: "
+        + (
+            "not measured yet (the first --dtype int8 load measures it)"
+            if kernel is None
+            else "none is exact here (int8 is refused)"
+            if kernel["name"] is None
+            else f"{kernel['name']} (checked exact here; one token "
+            + ", ".join(f"{name} {ms:.1f} ms" for name, ms in kernel["one_token_ms"].items())
+            + ")"
+        )
+    )
     runs = status["runs"]
     if runs:
         lines.append(f"runs joined: {len(runs)}")

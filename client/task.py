@@ -31,11 +31,13 @@ import numpy as np
 import torch
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, load_base
 from common.data import read_text, stdlib_dir, stdlib_files, text_files
-from common.default_model import cache_root, ensure_default_base
+from common.default_model import ensure_default_base
+from common.errors import FedLookaheadError
 from common.features import Features, base_features
 from common.fedconfig import FedConfig
+from common.paths import cache_root
 
 log = logging.getLogger(__name__)
 

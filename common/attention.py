@@ -11,12 +11,21 @@ single token's.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The keyword that passes a KV cache to `module.forward`: `cache` in newer transformers, which
+    deprecates `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
 
 GQA_ATTENTION = "fedla_sdpa"
 EXACT_ATTENTION = "fedla_exact"

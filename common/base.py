@@ -14,16 +14,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from common.attention import GQA_ATTENTION
-from common.quant import public_int8_calibration, quantize_int8
+from common.errors import FedLookaheadError
+from common.int8_kernels import KernelReport
+from common.quant import quantize_base_int8
 
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-class FedLookaheadError(ValueError):
-    """A user-facing error: its message is one line naming the problem."""
 
 
 @dataclass
@@ -34,7 +32,12 @@ class BaseModel:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     path: Path
-    int8: bool = False  # linear layers in int8 (common.quant); the rest of the model in `dtype`
+    int8_kernel: KernelReport | None = None  # int8 linear layers (common.quant): the kernel in use, as measured here
+
+    @property
+    def int8(self) -> bool:
+        """Whether the linear layers are in int8 (the rest of the model in `dtype`)."""
+        return self.int8_kernel is not None
 
     @property
     def device(self) -> torch.device:
@@ -145,7 +148,8 @@ def load_base(
 ) -> BaseModel:
     """Load a local causal LM directory with its tokenizer, frozen and in eval mode.
 
-    `int8` quantizes its linear layers for a CPU device (see common.quant); the rest stays in fp32.
+    `int8` quantizes its linear layers for a CPU device (see common.quant), with the integer product measured
+    fastest among the exact ones here (common.int8_kernels); the rest stays in fp32.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -182,9 +186,8 @@ def load_base(
     if torch_device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(GQA_ATTENTION)  # trees verify without copying keys per head (common.attention)
     fingerprint = fingerprint_dir(path)
-    if int8:
-        quantize_int8(model, public_int8_calibration(model, tokenizer, fingerprint))
-    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8=int8)
+    int8_kernel = quantize_base_int8(model, tokenizer, fingerprint) if int8 else None
+    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8_kernel=int8_kernel)
 
 
 def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:

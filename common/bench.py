@@ -24,11 +24,13 @@ import torch
 from tqdm import tqdm
 from transformers import CompileConfig, PreTrainedTokenizerBase
 
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, load_base
 from common.data import chunk_files
 from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
 from common.decoding.decoders import ForwardCounter
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
+from common.int8_kernels import cpu_info, describe_cpu
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
 # transformers' fastest greedy configuration: a static KV cache and its torch.compile'd decoding step,
@@ -192,8 +194,28 @@ def decode_benchmark(
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "greedy_outputs_ending_in_a_loop": looping,
+        "hardware": hardware(base),
     }
     return summary
+
+
+def hardware(base: BaseModel) -> dict:
+    """Where figures were measured: the CPU (and GPU), the base's number format, and the int8 kernel in use."""
+    out = {"cpu": cpu_info(), "device": str(base.device), "precision": base.precision}
+    if base.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(base.device)
+    if base.int8:
+        out["int8_kernel"] = {"name": base.int8_kernel.in_use, "exact": base.int8_kernel.exact}
+    return out
+
+
+def describe_hardware(hardware: dict) -> str:
+    """One line: 'on <CPU> (<flags>)[, <GPU>], <precision>[ (kernel <name>, checked exact here)]'."""
+    line = f"on {describe_cpu(hardware['cpu'])}" + (f", {hardware['gpu']}" if "gpu" in hardware else "")
+    line += f", {hardware['precision']}"
+    if kernel := hardware.get("int8_kernel"):
+        line += f" (kernel {kernel['name']}, {'checked exact here' if kernel['exact'] else 'NOT checked exact'})"
+    return line
 
 
 NEAR_TIE = 1e-4  # fp32 logit gap below which two choices are a rounding tie, not a decoding bug
@@ -299,6 +321,8 @@ def format_table(summary: dict) -> str:
         f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
         f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop"
     )
+    if "hardware" in summary:
+        lines.append(describe_hardware(summary["hardware"]))
     if "int8_quality" in summary:
         quality = summary["int8_quality"]
         lines.append(

@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 import typer
 
-from common.base import BaseModel, FedLookaheadError, prompt_ids
+from common.base import BaseModel, prompt_ids
 from common.cli_shared import BASE_HELP, DTYPE_HELP, check_output_path, fail, open_base
+from common.errors import FedLookaheadError
 from common.training import DEFAULT_DRAFT_VOCAB
 
 PLUGIN_GROUP = "fedlookahead.cli"
@@ -139,7 +140,7 @@ def _heads_candidates() -> list[Path]:
     """Where a device's newest heads are, in order: $FEDLA_HEADS (or <cache>/heads/latest, where the daemon
     publishes them), then the daemon's default state folder, <cache>/client/heads/latest."""
     from common.decoding import default_heads_dir
-    from common.default_model import cache_root
+    from common.paths import cache_root
 
     return [default_heads_dir(), cache_root() / "client" / "heads" / "latest"]
 

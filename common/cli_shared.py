@@ -15,7 +15,8 @@ import torch
 import typer
 
 from common.base import DTYPES as base_dtypes
-from common.base import BaseModel, FedLookaheadError, Loading
+from common.base import BaseModel, Loading
+from common.errors import FedLookaheadError
 
 
 def fail(message: str) -> NoReturn:
@@ -42,10 +43,14 @@ def base_loading(device: str = "auto", dtype: str = "auto") -> Loading:
 
 
 def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
-    """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default."""
+    """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default. An int8
+    base that is slower here than fp32 says so in one line."""
     from common.default_model import resolve_base
 
-    return base_loading(device, dtype).load(resolve_base(base))
+    model = base_loading(device, dtype).load(resolve_base(base))
+    if model.int8 and (note := model.int8_kernel.slower_than_fp32()):
+        typer.echo(f"warning: {note}", err=True)
+    return model
 
 
 def check_output_path(path: Path, kind: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,8 +28,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from common.base import FedLookaheadError
 from common.data import read_text, stdlib_files
+from common.errors import FedLookaheadError
+from common.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ RECIPE = {
     "warmup": 30,
     "seed": 0,
 }
-
-
-def cache_root() -> Path:
-    """Where built models live: $FEDLA_HOME, else ~/.cache/fedlookahead."""
-    return Path(os.environ.get("FEDLA_HOME", Path.home() / ".cache" / "fedlookahead")).expanduser()
 
 
 def _recipe_dir(prefix: str, recipe: dict) -> Path:

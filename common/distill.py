@@ -13,8 +13,8 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from common.attention import cache_kwarg
 from common.base import BaseModel
-from common.decoding.core import cache_kwarg
 from common.features import extractor_for
 
 

@@ -119,7 +119,7 @@ def feature_key(base: BaseModel, chunks: torch.Tensor) -> str:
 
 
 def default_cache_dir() -> Path:
-    from common.default_model import cache_root
+    from common.paths import cache_root
 
     return cache_root() / "features"
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 
 PARTITIONINGS = ("iid", "dirichlet", "package")
 DP_LEVELS = ("example", "user")

@@ -34,8 +34,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from common.base import BaseModel, FedLookaheadError
+from common.base import BaseModel
 from common.eagle import GEOMETRY_KEYS, ContextCache, DecoderLayer, layer_geometry, layer_shapes
+from common.errors import FedLookaheadError
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"

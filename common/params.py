@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from common.base import BaseModel, FedLookaheadError
+from common.base import BaseModel
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads, HeadsConfig
 from common.protocol import (  # noqa: F401 - HEADS_*: re-exported
     ARCH,

@@ -2,8 +2,8 @@
 
 Every linear layer of the frozen base (the LM head included) keeps its weights in int8, one scale per
 output channel, and quantizes its input on the fly, one scale per token (row). The product runs in
-integers (oneDNN's int8 linear on prepacked weights where it runs, else `torch._int_mm`; AMX/VNNI on x86;
-both give the same bits), so it is exact: a token's output row depends on that row alone, bit for bit,
+integers (the kernel measured fastest among those checked exact on this CPU: common.int8_kernels), so it
+is exact: a token's output row depends on that row alone, bit for bit,
 whether the row is one token of plain decoding or one node of a 33-node tree. That is what keeps AMS-LD
 lossless against this quantized base. A per-tensor activation scale (what the deprecated
 `torch.ao.quantization.quantize_dynamic` uses) would let the tree's nodes change each other's logits.
@@ -30,13 +30,11 @@ of a float32 rounding boundary), and every row comes out as in plain decoding.
 
 Why not torchao's `Int8DynamicActivationInt8WeightConfig`, which computes the same arithmetic: on the
 2-core CPU we measured it eager at 113 ms per token (fp32: 49 ms), and under `torch.compile` its tree
-forwards cost 3x a one-token forward after 11 minutes of compilation. Passing `_int_mm` the weight as
-the transposed view of an (out, in) matrix, as here, halved its time against an (in, out) one.
+forwards cost 3x a one-token forward after 11 minutes of compilation.
 """
 
 from __future__ import annotations
 
-import functools
 import pickle
 import weakref
 from dataclasses import dataclass
@@ -48,54 +46,41 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 
 from common.attention import EXACT_ATTENTION
+from common.int8_kernels import (
+    INT8_MAX,
+    INT_MM,
+    KERNELS,
+    Int8Kernel,
+    KernelReport,
+    kernel_in_use,
+    kernel_report,
+    record_one_token,
+)
+from common.paths import calibration_dir
 
-INT8_MAX = 127
 SMOOTH_FLOOR = 1e-5  # keeps smoothing factors finite for channels that are (nearly) zero
 CALIBRATION_CHUNKS, CALIBRATION_CHUNK_LEN = 16, 128
-
-
-@functools.cache
-def onednn_int8() -> bool:
-    """Whether oneDNN's int8 linear (weights prepacked in its blocked layout) runs here: about 20% faster than
-    `_int_mm` over the embedded base's layers, and 2.5x on its LM head, on the 2-core AMX CPU."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
-        return False
-    try:
-        weight = torch.ones(8, 16, dtype=torch.int8)
-        packed = torch.ops.onednn.qlinear_prepack(weight, None)
-        out = _onednn_int8_product(
-            torch.ones(1, 16, dtype=torch.int8), packed, torch.ones(8), torch.zeros(8, dtype=torch.long)
-        )
-    except (RuntimeError, NotImplementedError):
-        return False
-    return bool((out == 16).all())
-
-
-def _onednn_int8_product(
-    quantized: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor
-) -> torch.Tensor:
-    """float(quantized @ weight^T) * scale per output channel; the int32 sum is exact, as with `_int_mm`."""
-    return torch.ops.onednn.qlinear_pointwise(
-        quantized, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
-    )
 
 
 class Int8DynamicLinear(nn.Module):
     """y = x W^T + b with W in int8 (per output channel) and x quantized per row at run time, after the
     input channels are divided by `smooth` (and W's columns multiplied by it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+        kernel: Int8Kernel = INT_MM,
+    ) -> None:
         super().__init__()
         smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.detach().float()
         weight = weight.detach().float() * smooth  # (out, in)
         scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
         qweight = torch.round(weight / scale[:, None]).to(torch.int8)
-        # oneDNN's prepacked copy where it runs, else the (out, in) matrix whose transposed view `_int_mm`
-        # reads (half the time of an (in, out) one). Not a buffer: an opaque oneDNN tensor has no state_dict.
-        self.packed = torch.ops.onednn.qlinear_prepack(qweight, None) if onednn_int8() else None
-        self.register_buffer("qweight", None if self.packed is not None else qweight)
+        self.kernel = kernel
+        self.packed = kernel.pack(qweight)  # not a buffer: oneDNN's prepacked tensor is opaque, with no state_dict
         self.register_buffer("scale", scale)
-        self.register_buffer("zero_points", torch.zeros(len(scale), dtype=torch.long), persistent=False)  # oneDNN's
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("inv_smooth", 1 / smooth)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -103,9 +88,11 @@ class Int8DynamicLinear(nn.Module):
         self._shared: list | None = None  # [weak reference to the input, its output, reads left]
 
     @classmethod
-    def of(cls, layers: list[nn.Linear | Conv1D], input_absmax: torch.Tensor | None = None) -> Int8DynamicLinear:
+    def of(
+        cls, layers: list[nn.Linear | Conv1D], input_absmax: torch.Tensor | None = None, kernel: Int8Kernel = INT_MM
+    ) -> Int8DynamicLinear:
         """The int8 twin of float layers that read the same input, their outputs side by side, smoothed for
-        inputs whose channels reach `input_absmax`."""
+        inputs whose channels reach `input_absmax`, multiplied by `kernel`."""
         weight = torch.cat([_float_weight(layer) for layer in layers])
         bias = None
         if any(layer.bias is not None for layer in layers):
@@ -114,24 +101,19 @@ class Int8DynamicLinear(nn.Module):
         if input_absmax is not None:
             weight_absmax = weight.abs().amax(dim=0).clamp(min=SMOOTH_FLOOR)
             smooth = (input_absmax.clamp(min=SMOOTH_FLOOR) / weight_absmax).sqrt().clamp(min=SMOOTH_FLOOR)
-        return cls(weight, bias, smooth)
+        return cls(weight, bias, smooth, kernel)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weights (out, in), for readers of `lm_head.weight` (the heads' draft rows)."""
-        qweight = self.packed.to_dense().t() if self.packed is not None else self.qweight
-        return qweight.float() * self.scale[:, None] * self.inv_smooth
+        return self.kernel.unpack(self.packed).float() * self.scale[:, None] * self.inv_smooth
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float() * self.inv_smooth
         row_scale = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)  # max |x| per row
         row_scale = row_scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
         quantized = torch.round(rows.div_(row_scale)).to(torch.int8)  # |rows / row_scale| <= 127 by construction
-        if self.packed is not None:
-            out = _onednn_int8_product(quantized, self.packed, self.scale, self.zero_points)
-        else:
-            out = torch._int_mm(quantized, self.qweight.t()).float().mul_(self.scale)
-        out.mul_(row_scale)
+        out = self.kernel.multiply(quantized, self.packed, self.scale).mul_(row_scale)
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -219,10 +201,8 @@ def public_int8_calibration(
 ) -> Int8Calibration:
     """`calibrate_int8` on `public_calibration`'s text, cached under $FEDLA_HOME/calibration by the base's
     fingerprint: its 2,048 tokens of float forwards took most of an int8 load's 6 s on the 2-core CPU."""
-    from common.default_model import cache_root  # here: common.default_model imports common.base, which imports us
-
     key = f"{fingerprint}-{CALIBRATION_CHUNKS}x{CALIBRATION_CHUNK_LEN}-transformers{transformers.__version__}"
-    path = cache_root() / "calibration" / f"int8-{key}.pt"
+    path = calibration_dir() / f"int8-{key}.pt"
     try:
         data = torch.load(path, weights_only=True)
         cached = Int8Calibration(data["groups"], data["absmax"])
@@ -238,10 +218,13 @@ def public_int8_calibration(
     return calibration
 
 
-def quantize_int8(model: PreTrainedModel, calibration: Int8Calibration | None = None) -> PreTrainedModel:
+def quantize_int8(
+    model: PreTrainedModel, calibration: Int8Calibration | None = None, kernel: Int8Kernel = INT_MM
+) -> PreTrainedModel:
     """Replace every linear layer of a causal LM (nn.Linear, GPT-2's Conv1D, the LM head) in place and
     switch its attention to `exact_attention`. Layers that read the same input tensor share one fused
-    int8 layer; with the calibration's channel maxima each is smoothed (see `calibrate_int8`).
+    int8 layer; with the calibration's channel maxima each is smoothed (see `calibrate_int8`). `kernel`
+    runs the products (`_int_mm` by default; `quantize_base_int8` measures which is fastest here).
 
     The input embedding stays in floating point; a tied LM head gets its own int8 copy.
     """
@@ -249,7 +232,7 @@ def quantize_int8(model: PreTrainedModel, calibration: Int8Calibration | None = 
     calibration = calibration or calibrate_int8(model)
     for group in calibration.groups:
         absmax = None if calibration.absmax is None else calibration.absmax[group[0]]
-        fused = Int8DynamicLinear.of([layers[name] for name in group], absmax)
+        fused = Int8DynamicLinear.of([layers[name] for name in group], absmax, kernel)
         fused.readers, start = len(group), 0
         for name in group:
             end = start + _out_in(layers[name])[0]
@@ -259,6 +242,27 @@ def quantize_int8(model: PreTrainedModel, calibration: Int8Calibration | None = 
     model.config.tie_word_embeddings = False  # saving or resizing must not re-tie to the int8 head
     model.set_attn_implementation(EXACT_ATTENTION)
     return model
+
+
+def product_shapes(model: nn.Module, calibration: Int8Calibration) -> list[tuple[int, int]]:
+    """(out, in) of every integer product a step of the quantized model runs: one per fused group."""
+    layers = linear_layers(model)
+    return [
+        (sum(_out_in(layers[name])[0] for name in group), _out_in(layers[group[0]])[1]) for group in calibration.groups
+    ]
+
+
+def quantize_base_int8(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, kernel: str | None = None
+) -> KernelReport:
+    """What `load_base(int8=True)` does: calibrate on public text (cached), pick the int8 kernel by
+    measurement on this CPU (cached; `kernel` or $FEDLA_INT8_KERNEL forces one), quantize in place.
+    Returns the kernel report, with the kernel in use."""
+    calibration = public_int8_calibration(model, tokenizer, fingerprint)
+    report = kernel_in_use(kernel_report(model, product_shapes(model, calibration)), kernel)
+    quantize_int8(model, calibration, KERNELS[report.in_use])
+    record_one_token(report, model)
+    return report
 
 
 @torch.inference_mode()

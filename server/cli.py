@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from common.base import FedLookaheadError
 from common.cli_shared import exit_cleanly_on_sigterm, fail
+from common.errors import FedLookaheadError
 
 # Registered on the root `fedla` app as top-level commands (not a sub-group): their names stay as they were.
 app = typer.Typer(pretty_exceptions_show_locals=False)
@@ -83,7 +83,7 @@ def server_cmd(
     run_timeout: Optional[float] = typer.Option(None, help="Stop waiting for the run after this many seconds."),
 ) -> None:
     """Deployment SuperLink with TLS + SuperNode authentication, then the FedLookahead run on it."""
-    from common.default_model import cache_root
+    from common.paths import cache_root
     from server.deploy import repo_app_dir, serve
     from server.superlink import TlsFiles
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 from server.superlink import SuperLink, TlsFiles
 
 

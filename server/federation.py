@@ -23,9 +23,10 @@ from flwr.server.compat.app_utils import start_update_client_manager_thread
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp.grid import Grid
 
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, load_base
 from common.default_model import ensure_default_base
 from common.draft_vocab import public_draft_vocab
+from common.errors import FedLookaheadError
 from common.fedconfig import FedConfig, secagg_shares_and_threshold
 from common.heads import DraftHeads
 from common.params import heads_to_ndarrays

@@ -32,7 +32,8 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
 
-from common.base import BaseModel, FedLookaheadError
+from common.base import BaseModel
+from common.errors import FedLookaheadError
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.params import expected_shapes, heads_config_dict, heads_to_ndarrays, load_ndarrays, validate_update

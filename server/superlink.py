@@ -28,7 +28,7 @@ from typing import Callable
 
 import httpx
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 from common.procs import (
     ProcessTree,
     config_args,

@@ -8,6 +8,11 @@ held-out prompts x 64 new tokens), and the verify cost curve c(n)/c(1) (one base
 tokens after a 256-token KV cache, LM head over one row) at 1 and 2 threads, for each dtype asked
 for (`--dtypes fp32,bf16,int8`; int8: see common/quant.py). The quality cost of a dtype is its mean next-token loss on 32 held-out
 chunks of 128 tokens, and how often its greedy choice agrees with fp32's there.
+
+The JSON names the CPU (`cpu`: model and int8-relevant ISA flags) and, under `dtypes.int8`, the int8
+kernel in use (`kernel`), whether it was checked bit-exact here (`exact`) and what the kernel choice
+measured (`kernel_report`; see common/int8_kernels.py). `FEDLA_INT8_KERNEL=int_mm` (or `onednn`)
+forces a kernel to compare them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from common.bench import heldout_quality, quality_chunks
 from common.data import prompts_from_files, stdlib_files
 from common.decoding.calibration import measure_cost_curve
 from common.default_model import ensure_default_base
+from common.int8_kernels import cpu_info, describe_cpu
 
 
 def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int) -> float:
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         "base": str(path),
         "parameters": build["parameters"],
         "convert_seconds": build["convert_seconds"],
+        "cpu": cpu_info(),
         "dtypes": {},
     }
     reference_greedy = None
@@ -73,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             "greedy_agreement_with_fp32": round(float((greedy == reference_greedy).float().mean()), 4),
             "threads": {},
         }
+        if base.int8:
+            report = base.int8_kernel
+            row.update(kernel=report.in_use, exact=report.exact, kernel_report=report.to_json())
+            if note := report.slower_than_fp32():
+                print(f"warning: {note}")
         for threads in (1, 2):
             torch.set_num_threads(threads)
             curve = measure_cost_curve(base)
@@ -89,17 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(result, indent=2))
     print(
         f"{build['parameters']:,} parameters; converted in {build['convert_seconds']:.0f}s; "
-        f"peak resident memory {result['max_rss_mib']} MiB (every dtype loaded in turn)"
+        f"peak resident memory {result['max_rss_mib']} MiB (every dtype loaded in turn); on {describe_cpu(result['cpu'])}"
     )
     sizes = list(next(iter(result["dtypes"].values()))["threads"][1]["cost_relative"])
     print(
-        f"{'dtype':<6}{'held-out loss':>14}{'agree fp32':>11}{'threads':>8}{'generate tok/s':>15}{'1 token ms':>11}  "
+        f"{'dtype':<12}{'held-out loss':>14}{'agree fp32':>11}{'threads':>8}{'generate tok/s':>15}{'1 token ms':>11}  "
         + "".join(f"{'c(' + str(n) + ')':>8}" for n in sizes)
     )
     for name, row in result["dtypes"].items():
+        label = f"int8/{row['kernel']}" if "kernel" in row else name
         for threads, cost in row["threads"].items():
             print(
-                f"{name:<6}{row['heldout_loss']:>14.4f}{row['greedy_agreement_with_fp32']:>11.4f}{threads:>8}"
+                f"{label:<12}{row['heldout_loss']:>14.4f}{row['greedy_agreement_with_fp32']:>11.4f}{threads:>8}"
                 f"{cost['generate_tokens_per_s']:>15.1f}{cost['one_token_ms']:>11.1f}  "
                 + "".join(f"{cost['cost_relative'][n]:>8.2f}" for n in sizes)
             )

@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.prepare_data:
-        from common.default_model import cache_root
+        from common.paths import cache_root
 
         scale = QUICK if args.quick else Scale()
         print(private_corpus(scale.packages, scale.max_files_per_package, cache_root() / "privacy_utility"))
@@ -482,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     from common.base import load_base
-    from common.default_model import cache_root, ensure_default_base
+    from common.default_model import ensure_default_base
     from common.heads import DraftHeads
+    from common.paths import cache_root
 
     out_json = Path(args.json).resolve()
     out_dir = out_json.with_suffix("")

@@ -25,12 +25,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from common.base import DTYPES, BaseModel, FedLookaheadError, load_base
+from common.base import DTYPES, BaseModel, load_base
 from common.data import prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy, generate
 from common.decoding.core import BaseRunner
 from common.decoding.drafting import HeadsTreeDrafter
 from common.default_model import resolve_base
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
 
 

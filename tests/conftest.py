@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,18 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from common.base import BaseModel, load_base
 from common.data import read_text, stdlib_files
+from common.decoding import calibration
+from common.decoding.calibration import CostCurve, calibration_key
 from common.default_model import train_tokenizer
 
 TINY_VOCAB = 512
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with slow tests first: `make test` runs files on two workers (pytest-xdist, --dist loadfile), and
+    the minutes-long deployment test must not be the last one started."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,6 +37,25 @@ def private_fedla_home(tmp_path_factory):
         os.environ.pop("FEDLA_HOME", None)
     else:
         os.environ["FEDLA_HOME"] = previous
+
+
+# A verify cost curve shaped like the 2-core CPU's fp32 one (3 tokens cost about what 1 does, 8 cost 1.6x).
+CPU_LIKE_CURVE = CostCurve(
+    (1, 2, 3, 4, 8, 16, 64), (1.0, 1.03, 1.06, 1.3, 1.6, 2.4, 7.0), (0.25, 0.26, 0.26, 0.3, 0.4, 0.6, 2.0)
+)
+
+
+@pytest.fixture(autouse=True)
+def synthetic_cost_curve(request, monkeypatch):
+    """Trees are priced with CPU_LIKE_CURVE, not with this machine's timings, so that what a decoding test
+    asserts does not depend on the CPU it runs on. Tests of the measurement itself are marked
+    `measured_cost_curve`."""
+    if request.node.get_closest_marker("measured_cost_curve") is None:
+        monkeypatch.setattr(
+            calibration,
+            "measure_cost_curve",
+            lambda base, *args, **kwargs: dataclasses.replace(CPU_LIKE_CURVE, key=calibration_key(base)),
+        )
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from common.base import FedLookaheadError, load_base
+from common.base import load_base
+from common.errors import FedLookaheadError
 
 
 @pytest.fixture()

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from client.daemon import DaemonOptions, node_config_values, write_node_config
@@ -17,11 +18,12 @@ from client.daemon.readiness import prepare
 from client.privacy import LEDGER_FILE, TRAINED_MARKER, Ledger, PrivacyState, epsilon_of, save_ledger
 from client.state import keep_global_heads, record_event
 from client.status import device_status, forget, format_status
-from common.base import FedLookaheadError
+from common import int8_kernels
 from common.cli import app
 from common.data import stdlib_dir
-from common.default_model import cache_root
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
+from common.paths import cache_root
 
 HISTORY = [(2.0, 0.1, 10), (2.5, 0.1, 10)]  # lifetime epsilon about 1 at delta 1e-5
 
@@ -117,6 +119,19 @@ def test_status_reads_the_state_folder(device):
     result = CliRunner().invoke(app, ["client", "status", "--state-dir", str(state), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["heads"]["version"] == 2
+
+
+def test_status_names_the_cpu_and_the_int8_kernel_measured_on_it(device, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "home"))
+    cpu = int8_kernels.cpu_info()
+    text = format_status(device_status(device["state"]))
+    assert f"cpu: {int8_kernels.describe_cpu(cpu)}; int8 kernel: not measured yet" in text
+    key = {"cpu": cpu, "torch": torch.__version__, "threads": 2, "shapes": [[8, 8]]}
+    errors, timings = {"onednn": 163840, "int_mm": 0}, {"int_mm": {"1": 0.5, "17": 0.9}}
+    int8_kernels.save_report(int8_kernels.KernelReport(key, errors, timings, {"fp32": 41.0, "int_mm": 23.5}))
+    status = device_status(device["state"])
+    assert status["machine"]["int8_kernel"]["name"] == "int_mm"
+    assert "int8 kernel: int_mm (checked exact here; one token fp32 41.0 ms, int_mm 23.5 ms)" in format_status(status)
 
 
 def test_status_of_an_untrusted_ledger_fails_closed(tmp_path):

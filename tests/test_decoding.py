@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, load_base
 from common.bench import decode_benchmark
 from common.cli import app
 from common.data import stdlib_files
@@ -43,6 +43,7 @@ from common.decoding.tree import (
     sample_accept,
     tree_paths,
 )
+from common.errors import FedLookaheadError
 from common.features import compute_features
 from common.heads import DraftHeads
 from common.training import feature_loader, train_epoch
@@ -877,7 +878,9 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
         "max_new_tokens",
         "cost_curve",
         "greedy_outputs_ending_in_a_loop",
+        "hardware",
     }
+    assert summary["hardware"]["cpu"]["model"] and summary["hardware"]["precision"] == "float32"
     assert 0 <= summary["greedy_outputs_ending_in_a_loop"] <= 2
     assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only"}
     assert summary["cost_curve"]["1"] == 1.0 and all(c > 0 for c in summary["cost_curve"].values())
@@ -900,6 +903,7 @@ def test_bench_compiled_modes_match_greedy(tiny_base):
         assert row["identical_to_hf_greedy"] and row["tokens_per_s"] > 0
 
 
+@pytest.mark.measured_cost_curve
 def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(tmp_path, models):
     from common.decoding.calibration import calibration_key, cost_curve
 
@@ -916,6 +920,7 @@ def test_cost_curve_is_measured_once_monotone_and_a_damaged_cache_is_remeasured(
     assert remeasured.key == curve.key and CostCurve.from_json(json.loads(path.read_text())) == remeasured
 
 
+@pytest.mark.measured_cost_curve
 def test_an_implausible_cached_cost_curve_is_remeasured(tmp_path, models):
     """A cached curve where more tokens cost less (timed on a busy machine by an older version) would make
     every tree look unaffordable: it is measured again, not trusted."""

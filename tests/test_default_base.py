@@ -10,9 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from common import default_model
-from common.base import FedLookaheadError, load_base, prompt_ids
+from common.base import load_base, prompt_ids
 from common.cli import app
 from common.default_model import SMOLLM2, resolve_base
+from common.errors import FedLookaheadError
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -6,8 +6,9 @@ import pytest
 import torch
 from opacus import GradSampleModule
 
-from common.base import FedLookaheadError, load_base
+from common.base import load_base
 from common.decoding import AmsPolicy, generate
+from common.errors import FedLookaheadError
 from common.features import compute_features
 from common.heads import DraftHeads, HeadsConfig
 from common.params import heads_from_records, heads_records

@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.endpoint import EndpointServer, check_loopback, create_endpoint_app, serve_endpoint, start_endpoint
 from client.state import keep_global_heads
-from common.base import BaseModel, FedLookaheadError, Loading, load_base, prompt_ids
+from common.base import BaseModel, Loading, load_base, prompt_ids
 from common.decoding import generate
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
 
 CHAT_TEMPLATE = (

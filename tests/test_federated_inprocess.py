@@ -19,8 +19,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from client import client_app as client_module
 from client.client_app import secaggplus_when_needed, train_handler
 from client.privacy import epsilon_of
-from common.base import FedLookaheadError
 from common.data import stdlib_dir
+from common.errors import FedLookaheadError
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.params import heads_to_ndarrays

@@ -19,8 +19,8 @@ from opacus.accountants import RDPAccountant
 from client.client_app import train_handler
 from client.privacy import PrivacyState, epsilon_of, load_state, save_state
 from client.task import PackagePartitioner
-from common.base import FedLookaheadError
 from common.data import stdlib_dir
+from common.errors import FedLookaheadError
 from common.features import compute_features, fast_feature_dtype
 from common.fedconfig import DEFAULTS, HELP, FedConfig
 from common.heads import DraftHeads

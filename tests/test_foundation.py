@@ -9,9 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from common.base import FedLookaheadError, load_base, resolve_device
+from common.base import load_base, resolve_device
 from common.cli import app
 from common.data import chunk_files, load_chunks, stdlib_files
+from common.errors import FedLookaheadError
 from common.features import compute_features
 from common.heads import DraftHeads
 from common.training import evaluate_heads, train_heads

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from common.base import FedLookaheadError
 from common.cli import app
+from common.errors import FedLookaheadError
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 
 

@@ -13,9 +13,9 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
-from common import quant
+from common import int8_kernels, quant
 from common.attention import EXACT_ATTENTION
-from common.base import BaseModel, FedLookaheadError, load_base
+from common.base import BaseModel, load_base
 from common.bench import decode_benchmark, int8_quality
 from common.cli import app
 from common.data import stdlib_files
@@ -23,20 +23,50 @@ from common.decoding import generate
 from common.decoding.calibration import calibration_key
 from common.decoding.core import BaseRunner
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
-from common.default_model import cache_root
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
-from common.quant import Int8DynamicLinear, Int8Slice, onednn_int8, public_calibration, quantize_int8
+from common.int8_kernels import (
+    INT_MM,
+    KERNEL_ENV,
+    KERNELS,
+    KernelReport,
+    cpu_info,
+    describe_cpu,
+    kernel_in_use,
+    kernel_report,
+    largest_error,
+    measure_kernels,
+)
+from common.paths import cache_root, calibration_dir
+from common.quant import Int8DynamicLinear, Int8Slice, public_calibration, quantize_int8
 from tests.conftest import save_tiny
 from tests.test_decoding import ARCHS, hf_greedy, perturb, quickly_trained_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def exact_kernels_here() -> list:
+    """Every int8 kernel, each skipped with the reason where it does not run or is not exact on this CPU."""
+    params = []
+    for kernel in KERNELS.values():
+        reason = None
+        if not kernel.runs():
+            reason = f"{kernel.name} does not run on this CPU, {describe_cpu(cpu_info())}"
+        elif error := largest_error(kernel, [(48, 2048), (40, 96)]):
+            reason = f"{kernel.name} is not exact on this CPU, {describe_cpu(cpu_info())}: sums off by up to {error}"
+        params.append(pytest.param(kernel, id=kernel.name, marks=[pytest.mark.skip(reason=reason)] if reason else []))
+    return params
+
+
+EXACT_KERNELS = exact_kernels_here()
+
+
 def int8_base(directory, seed: int) -> BaseModel:
     """A tiny base with perturbed (non-degenerate) weights, then quantized, as load_base(int8=True) does."""
     base = perturb(load_base(directory, device="cpu"), seed=seed)
     quantize_int8(base.model)
-    return dataclasses.replace(base, int8=True)
+    report = KernelReport({"cpu": cpu_info()}, {INT_MM.name: 0}, {INT_MM.name: {}}, in_use=INT_MM.name)
+    return dataclasses.replace(base, int8_kernel=report)
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +78,14 @@ def int8_models(tmp_path_factory, tiny_tokenizer) -> dict[str, tuple[BaseModel, 
     return out
 
 
+@pytest.mark.parametrize("kernel", EXACT_KERNELS)
 @pytest.mark.parametrize("smoothed", [False, True])
-def test_int8_linear_rows_are_independent_and_close_to_float(smoothed):
+def test_int8_linear_rows_are_independent_and_close_to_float(smoothed, kernel):
     torch.manual_seed(0)
     layer = nn.Linear(96, 40).requires_grad_(False)
     x = torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7).view(1, 7, 1)  # rows of very different scales
     x[..., 5] *= 30  # an outlier channel, which smoothing moves into the weights
-    quantized = Int8DynamicLinear.of([layer], x.reshape(-1, 96).abs().amax(0) if smoothed else None)
+    quantized = Int8DynamicLinear.of([layer], x.reshape(-1, 96).abs().amax(0) if smoothed else None, kernel)
     out = quantized(x)
     assert out.shape == (2, 7, 40) and out.dtype == torch.float32
     for b in range(2):
@@ -87,18 +118,23 @@ def test_layers_reading_one_input_share_one_fused_int8_layer(int8_models):
     assert torch.equal(k(x.clone()), outputs[1])  # another tensor with the same values: computed again, the same
 
 
-@pytest.mark.skipif(not onednn_int8(), reason="oneDNN's int8 linear does not run here")
-def test_onednn_and_int_mm_give_the_same_int8_layer_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("kernel", EXACT_KERNELS)
+def test_an_int8_layer_gives_its_int64_reference_bit_for_bit(kernel):
+    """Each kernel exact here, through the layer: its outputs are the int64 sums of the quantized rows and
+    weights, scaled in the layer's order, including sums above 2**24 (where float32 sums would round)."""
     torch.manual_seed(0)
     layer = nn.Linear(2048, 48).requires_grad_(False)
     layer.weight[0] = 0.5  # a row and an input that saturate int8: an int32 sum of 127 * 127 * 2048 > 2**24
     x = torch.randn(4, 2048)
     x[1] = 3.0
-    packed = Int8DynamicLinear.of([layer])
-    monkeypatch.setattr(quant, "onednn_int8", lambda: False)
-    plain = Int8DynamicLinear.of([layer])
-    assert packed.packed is not None and packed.qweight is None and plain.packed is None
-    assert torch.equal(packed(x), plain(x)) and torch.equal(packed.weight, plain.weight)
+    quantized = Int8DynamicLinear.of([layer], kernel=kernel)
+    qweight = kernel.unpack(quantized.packed)
+    row_scale = x.abs().amax(dim=1, keepdim=True) / 127
+    rows = torch.round(x / row_scale).to(torch.int8)
+    sums = rows.long() @ qweight.long().t()
+    assert int(sums.abs().max()) > 2**24
+    reference = (sums.float() * quantized.scale) * row_scale + quantized.bias
+    assert torch.equal(quantized(x), reference)
 
 
 def test_gpt2_conv1d_layers_and_the_tied_head_are_quantized():
@@ -236,6 +272,7 @@ def test_cli_int8(tiny_base_dir, tmp_path):
         + ["--prompt-tokens", "16", "--max-new-tokens", "6", "--modes", "hf_greedy,ams", "--json", str(out)],
     )
     assert result.exit_code == 0 and "int8 quality: held-out loss" in result.output, result.output
+    result_json_output = result.output
     short = tmp_path / "short"
     short.mkdir()
     (short / "a.py").write_text("def f(x):\n    return x + 1\n" * 6)  # a 16-token prompt, no 128-token chunk
@@ -245,7 +282,11 @@ def test_cli_int8(tiny_base_dir, tmp_path):
         + ["--prompt-tokens", "16", "--max-new-tokens", "6", "--modes", "hf_greedy,ams"],
     )
     assert result.exit_code == 2 and "128 tokens long: quality not measured" in result.output, result.output
-    quality = json.loads(out.read_text())["int8_quality"]
+    summary = json.loads(out.read_text())
+    hardware = summary["hardware"]
+    assert hardware["cpu"] == cpu_info() and hardware["precision"] == "int8" and hardware["int8_kernel"]["exact"]
+    assert f"(kernel {hardware['int8_kernel']['name']}, checked exact here)" in result_json_output
+    quality = summary["int8_quality"]
     assert set(quality) == {
         "heldout_loss_int8",
         "heldout_loss_fp32",
@@ -253,3 +294,131 @@ def test_cli_int8(tiny_base_dir, tmp_path):
         "greedy_agreement_with_fp32",
         "heldout_tokens",
     }
+
+
+def saturating_multiply(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an int8 product without VNNI computes (x86 `vpmaddubsw`): the s8 rows shifted to u8 (+128),
+    adjacent u8 x s8 products summed in pairs that saturate at 16 bits, the shift taken back out."""
+    unsigned, signed = rows.long() + 128, weight.long()
+    pairs = (unsigned[:, None, :] * signed[None]).view(len(rows), len(weight), -1, 2).sum(-1)
+    sums = pairs.clamp(-(2**15), 2**15 - 1).sum(-1) - 128 * signed.sum(1)
+    return sums.float() * scale
+
+
+def fake_kernel(name: str, multiply=INT_MM.multiply) -> int8_kernels.Int8Kernel:
+    return int8_kernels.Int8Kernel(name, lambda: True, INT_MM.pack, multiply, INT_MM.unpack)
+
+
+FAKE_KERNELS = [fake_kernel("slow"), fake_kernel("fast"), fake_kernel("saturating", saturating_multiply)]
+FAKE_SECONDS = {"slow": 0.005, "fast": 0.001, "saturating": 0.0001}  # the inexact one would be fastest
+
+
+def fake_report(forced: str | None = None, one_token_ms: dict | None = None) -> KernelReport:
+    key = {"cpu": {"model": "Test CPU", "flags": ["avx2"]}, "shapes": [[40, 96], [8, 64]]}
+    timed = []
+
+    def seconds(kernel, shapes, rows):
+        timed.append(kernel.name)
+        return FAKE_SECONDS[kernel.name] * rows
+
+    report = measure_kernels(key, FAKE_KERNELS, seconds)
+    assert "saturating" not in timed  # an inexact kernel is dropped before it is timed
+    report.one_token_ms.update(one_token_ms or {})
+    return kernel_in_use(report, forced)
+
+
+def test_the_chooser_keeps_the_fastest_exact_kernel_and_drops_an_inexact_one():
+    report = fake_report()
+    assert report.errors["slow"] == report.errors["fast"] == 0 and report.errors["saturating"] > 1000
+    assert report.fastest == report.in_use == "fast" and report.exact
+    assert report.product_ms == {"slow": {"1": 5.0, "17": 85.0}, "fast": {"1": 1.0, "17": 17.0}}
+    assert fake_report(forced="slow").in_use == "slow"  # a setting may force any exact kernel
+
+
+def test_forcing_an_inexact_or_unknown_kernel_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(FedLookaheadError, match="'saturating' .* is not exact on this CPU, Test CPU .avx2.") as error:
+        fake_report(forced="saturating")
+    assert "\n" not in str(error.value) and "use fast" in str(error.value)
+    monkeypatch.setenv(KERNEL_ENV, "int4_mm")
+    with pytest.raises(FedLookaheadError, match="'int4_mm' .* not one that runs on this CPU.*use auto, slow, fast"):
+        fake_report()
+
+
+def test_no_exact_kernel_refuses_int8():
+    key = {"cpu": {"model": "Test CPU", "flags": ["avx2"]}, "shapes": [[40, 96]]}
+    report = measure_kernels(key, FAKE_KERNELS[2:], lambda kernel, shapes, rows: 1.0)
+    with pytest.raises(
+        FedLookaheadError, match="no exact int8 kernel on this CPU.*saturating off by up to.*--dtype fp32"
+    ):
+        kernel_in_use(report)
+
+
+def test_int8_slower_than_fp32_says_so_with_both_timings():
+    slow = fake_report(one_token_ms={"fp32": 111.9, "fast": 154.7})
+    assert slow.slower_than_fp32() == (
+        "int8 does not pay on this CPU, Test CPU (avx2): one token takes 154.7 ms in int8 (fast, the fastest exact "
+        "kernel) against 111.9 ms in fp32; use --dtype fp32"
+    )
+    assert fake_report(one_token_ms={"fp32": 47.2, "fast": 23.1}).slower_than_fp32() is None
+
+
+def test_the_kernel_report_is_cached_per_cpu_and_threads_and_measured_again_when_damaged(tiny_base, monkeypatch):
+    model, shapes = tiny_base.model, [(40, 64), (64, 64)]
+    first = kernel_report(model, shapes)
+    assert set(first.one_token_ms) == {"fp32"} and first.key["threads"] == torch.get_num_threads()
+    with monkeypatch.context() as patched:
+        patched.setattr(int8_kernels, "measure_kernels", lambda *args: pytest.fail("the cached report was not used"))
+        assert kernel_report(model, shapes) == first
+    [path] = [p for p in calibration_dir().glob("int8-kernel-*.json") if json.loads(p.read_text())["key"] == first.key]
+    path.write_text('{"key": ')
+    assert kernel_report(model, shapes).key == first.key  # measured again, and cached anew
+    assert json.loads(path.read_text())["errors"] == first.errors
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert kernel_report(model, shapes).key["threads"] == threads + 1  # another key: its own measurement
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", EXACT_KERNELS)
+def test_load_base_uses_a_forced_exact_kernel_and_every_exact_kernel_gives_the_same_logits(
+    tiny_base_dir, monkeypatch, kernel
+):
+    reference = load_base(tiny_base_dir, device="cpu", int8=True)  # the kernel measured fastest here
+    monkeypatch.setenv(KERNEL_ENV, kernel.name)
+    forced = load_base(tiny_base_dir, device="cpu", int8=True)
+    layer = forced.model.model.layers[0].mlp.down_proj
+    assert forced.int8_kernel.in_use == kernel.name and layer.kernel is kernel and forced.int8_kernel.exact
+    assert calibration_key(forced).count(f"-int8-{kernel.name}-") == 1  # each kernel its own cost curve
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.inference_mode():
+        assert torch.equal(forced.model(ids).logits, reference.model(ids).logits)
+    assert set(forced.int8_kernel.one_token_ms) >= {"fp32", kernel.name}
+
+
+def cached_report_saying(tiny_base_dir, errors: dict, one_token_ms: dict) -> None:
+    """Overwrite this machine's cached kernel report for the tiny base with made-up measurements."""
+    base = load_base(tiny_base_dir, device="cpu", int8=True)
+    report = dataclasses.replace(base.int8_kernel, errors=errors, one_token_ms=one_token_ms)
+    report = dataclasses.replace(report, product_ms={name: {"1": 1.0, "17": 2.0} for name in errors})
+    int8_kernels.save_report(report)
+
+
+def test_cli_says_when_int8_does_not_pay_and_refuses_an_inexact_forced_kernel(tiny_base_dir, monkeypatch):
+    runner = CliRunner()
+    command = ["generate", "--base", str(tiny_base_dir), "--prompt", "def f(x):", "--max-new-tokens", "4"]
+    command += ["--dtype", "int8", "--mode", "greedy"]
+    cached_report_saying(tiny_base_dir, {"int_mm": 0}, {"fp32": 1.5, "int_mm": 2.5})
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.output.splitlines() if "does not pay" in line]
+    assert "2.5 ms in int8 (int_mm" in line and "1.5 ms in fp32; use --dtype fp32" in line
+    cached_report_saying(tiny_base_dir, {"int_mm": 0}, {"fp32": 2.5, "int_mm": 1.5})
+    assert "does not pay" not in runner.invoke(app, command).output
+    cached_report_saying(tiny_base_dir, {"onednn": 163840, "int_mm": 0}, {"fp32": 2.5, "int_mm": 1.5})
+    monkeypatch.setenv(KERNEL_ENV, "onednn")
+    result = runner.invoke(app, command)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1].startswith("error: int8 kernel 'onednn'")
+    assert "is not exact on this CPU" in result.output and "off by up to 163840" in result.output

@@ -29,8 +29,8 @@ from client.privacy import (
     reset_ledger,
 )
 from client.task import cached_base, client_data
-from common.base import FedLookaheadError
 from common.data import stdlib_dir
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
 from common.params import heads_config_dict, heads_to_ndarrays
 

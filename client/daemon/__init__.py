@@ -41,7 +41,8 @@ from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
 from client.state import EVENTS_FILE, default_state_dir
-from common.base import FedLookaheadError, Loading
+from common.base import Loading
+from common.errors import FedLookaheadError
 from common.procs import flower_env, free_port
 
 __all__ = [

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from client.daemon.options import DaemonError, DaemonOptions
 from client.state import default_state_dir
-from common.base import FedLookaheadError, resolve_device
+from common.base import resolve_device
+from common.errors import FedLookaheadError
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 
 # exit codes of `fedla client` (also documented in docs/deploy.md)
 EXIT_OK = 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.options import DaemonError
-from common.base import FedLookaheadError
+from common.errors import FedLookaheadError
 
 FEATURE_SECONDS = 120.0  # projected feature extraction up to this long is done before joining
 SAMPLE_CHUNKS = 4

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from common.attention import EXACT_ATTENTION, GQA_ATTENTION
-from common.base import BaseModel, FedLookaheadError
+from common.base import BaseModel
 from common.decoding.calibration import CostCurve, cost_curve
 from common.decoding.core import (
     DegenerationGuard,
@@ -38,6 +38,7 @@ from common.decoding.core import (
 )
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
+from common.errors import FedLookaheadError
 from common.heads import DraftHeads
 
 MODES = ("ams", "greedy", "beam", "fused")
@@ -66,7 +67,7 @@ class DecodingFallbackWarning(UserWarning):
 
 def default_heads_dir() -> Path:
     """Where `fedla generate` looks for heads by default: $FEDLA_HEADS, else <cache>/heads/latest."""
-    from common.default_model import cache_root
+    from common.paths import cache_root
 
     return Path(os.environ.get("FEDLA_HEADS", cache_root() / "heads" / "latest")).expanduser()
 

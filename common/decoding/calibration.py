@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from common.attention import cache_kwarg
 from common.base import BaseModel
-from common.decoding.core import cache_kwarg
+from common.paths import calibration_dir
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_PAST = 256  # cached tokens before the timed forward (a typical prompt plus some output)
@@ -92,9 +93,13 @@ class CostCurve:
 
 
 def calibration_key(base: BaseModel) -> str:
-    """What the curve depends on: base, device, number format, attention kernel, threads and the torch build."""
+    """What the curve depends on: base, device, number format (and int8 kernel), attention kernel, threads and the
+    torch build."""
     attention = getattr(base.model.config, "_attn_implementation", "eager")
-    return f"{base.fingerprint}-{base.device.type}-{base.precision}-{attention}-t{torch.get_num_threads()}-{torch.__version__}"
+    precision = f"int8-{base.int8_kernel.in_use}" if base.int8 else base.precision
+    return (
+        f"{base.fingerprint}-{base.device.type}-{precision}-{attention}-t{torch.get_num_threads()}-{torch.__version__}"
+    )
 
 
 def _seconds(fn, device: torch.device) -> float:
@@ -149,12 +154,6 @@ def measure_cost_curve(
         body_seconds[i] = min(body_seconds[i], body_seconds[i + 1])
         head_seconds[i] = min(head_seconds[i], head_seconds[i + 1])
     return CostCurve(tuple(sizes), tuple(body_seconds), tuple(head_seconds), calibration_key(base))
-
-
-def calibration_dir() -> Path:
-    from common.default_model import cache_root
-
-    return cache_root() / "calibration"
 
 
 def cost_curve(base: BaseModel, directory: Path | None = None, remeasure: bool = False) -> CostCurve:

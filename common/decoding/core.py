@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -12,8 +11,10 @@ import torch
 from transformers import Cache, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from common.base import BaseModel, FedLookaheadError
+from common.attention import cache_kwarg
+from common.base import BaseModel
 from common.decoding.tree import TreeSpec, attention_mask_4d, keep_cache_path, move_path_entries, position_ids
+from common.errors import FedLookaheadError
 
 
 @dataclass
@@ -172,12 +173,6 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     else:
         generator.manual_seed(seed)
     return generator
-
-
-def cache_kwarg(module: torch.nn.Module) -> str:
-    """The keyword that passes a KV cache to `module.forward`: `cache` in newer transformers, which
-    deprecates `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 class BaseRunner:

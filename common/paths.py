@@ -1,0 +1,16 @@
+"""Where FedLookahead keeps what it builds and measures on a machine: one home for the cache paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where built models, caches and measurements live: $FEDLA_HOME, else ~/.cache/fedlookahead."""
+    return Path(os.environ.get("FEDLA_HOME", Path.home() / ".cache" / "fedlookahead")).expanduser()
+
+
+def calibration_dir() -> Path:
+    """What is measured once per machine: cost curves, int8 calibrations, the int8 kernel choice."""
+    return cache_root() / "calibration"
