@@ -42,7 +42,8 @@ from common.paths import calibration_dir
 INT8_MAX = 127
 KERNEL_ENV = "FEDLA_INT8_KERNEL"  # a kernel's name forces it; unset, "" or "auto": the fastest exact one
 CHECK_ROWS = (1, 17)
-TIMING_REPEATS = 5
+TIMING_REPEATS = 10
+ONE_TOKEN_PAST = 256  # cached tokens before the timed step, as the cost curve (float64 attention grows with them)
 # The vector-ISA flags that decide which int8 code oneDNN and torch run (from /proc/cpuinfo).
 INT8_FLAGS = (
     "avx2",
@@ -158,27 +159,33 @@ def largest_error(kernel: Int8Kernel, shapes: Iterable[tuple[int, int]]) -> int:
     return worst
 
 
-def product_seconds(kernel: Int8Kernel, shapes: list[tuple[int, int]], rows: int) -> float:
-    """One pass of the kernel over every layer shape at `rows` rows, each with its own weights (read cold,
-    as a decoding step reads them): the fastest of TIMING_REPEATS after a warm-up."""
+def product_passes(kernel: Int8Kernel, shapes: list[tuple[int, int]]) -> dict[int, Callable[[], float]]:
+    """For each of CHECK_ROWS, a function that runs the kernel once over every layer shape at that many rows,
+    each layer with its own weights (read cold, as a decoding step reads them), and returns the seconds."""
     generator = torch.Generator().manual_seed(1)
-    operands = []
+    layers = []
     for out_features, in_features in shapes:
         weight = torch.randint(-INT8_MAX, INT8_MAX + 1, (out_features, in_features), generator=generator)
-        x = torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, in_features), generator=generator).to(torch.int8)
-        operands.append((x, kernel.pack(weight.to(torch.int8)), torch.ones(out_features)))
-    best = math.inf
-    for repeat in range(TIMING_REPEATS + 1):
-        started = time.perf_counter()
-        for x, packed, scale in operands:
-            kernel.multiply(x, packed, scale)
-        if repeat:  # repeat 0 warms up
-            best = min(best, time.perf_counter() - started)
-    return best
+        layers.append((kernel.pack(weight.to(torch.int8)), torch.ones(out_features), in_features))
+
+    def timed(rows: int) -> Callable[[], float]:
+        inputs = [
+            torch.randint(-INT8_MAX, INT8_MAX + 1, (rows, n), generator=generator).to(torch.int8) for *_, n in layers
+        ]
+
+        def one_pass() -> float:
+            started = time.perf_counter()
+            for x, (packed, scale, _) in zip(inputs, layers):
+                kernel.multiply(x, packed, scale)
+            return time.perf_counter() - started
+
+        return one_pass
+
+    return {rows: timed(rows) for rows in CHECK_ROWS}
 
 
 @torch.inference_mode()
-def one_token_seconds(model: PreTrainedModel, past: int = 64) -> float:
+def one_token_seconds(model: PreTrainedModel, past: int = ONE_TOKEN_PAST) -> float:
     """One decoding step of the whole model (body and LM head, one new token after `past` cached ones):
     the fastest of TIMING_REPEATS after a warm-up."""
     generator = torch.Generator().manual_seed(0)
@@ -261,17 +268,24 @@ def _report_path(key: dict) -> Path:
 def measure_kernels(
     key: dict,
     kernels: Iterable[Int8Kernel],
-    seconds: Callable[[Int8Kernel, list[tuple[int, int]], int], float] = product_seconds,
+    passes: Callable[[Int8Kernel, list[tuple[int, int]]], dict[int, Callable[[], float]]] = product_passes,
 ) -> KernelReport:
-    """Check every kernel that runs here and time the exact ones (with `seconds`), on the key's layer shapes."""
+    """Check every kernel that runs here and time the exact ones on the key's layer shapes: the kernels and
+    row counts interleaved within each repeat and the fastest repeat kept, so that other work on the
+    machine (it only ever adds time) burdens every kernel alike rather than deciding the choice."""
     shapes = [tuple(shape) for shape in key["shapes"]]
-    errors, product_ms = {}, {}
-    for kernel in kernels:
-        if not kernel.runs():
-            continue
-        errors[kernel.name] = largest_error(kernel, shapes)
-        if errors[kernel.name] == 0:
-            product_ms[kernel.name] = {str(rows): round(seconds(kernel, shapes, rows) * 1000, 3) for rows in CHECK_ROWS}
+    errors = {kernel.name: largest_error(kernel, shapes) for kernel in kernels if kernel.runs()}
+    timed = {kernel.name: passes(kernel, shapes) for kernel in kernels if errors.get(kernel.name) == 0}
+    best = {name: dict.fromkeys(by_rows, math.inf) for name, by_rows in timed.items()}
+    for repeat in range(TIMING_REPEATS + 1):  # repeat 0 warms up
+        for name, by_rows in timed.items():
+            for rows, one_pass in by_rows.items():
+                seconds = one_pass()
+                if repeat:
+                    best[name][rows] = min(best[name][rows], seconds)
+    product_ms = {
+        name: {str(rows): round(s * 1000, 3) for rows, s in by_rows.items()} for name, by_rows in best.items()
+    }
     return KernelReport(key, errors, product_ms)
 
 

@@ -317,11 +317,11 @@ def fake_report(forced: str | None = None, one_token_ms: dict | None = None) -> 
     key = {"cpu": {"model": "Test CPU", "flags": ["avx2"]}, "shapes": [[40, 96], [8, 64]]}
     timed = []
 
-    def seconds(kernel, shapes, rows):
+    def passes(kernel, shapes):
         timed.append(kernel.name)
-        return FAKE_SECONDS[kernel.name] * rows
+        return {rows: lambda rows=rows: FAKE_SECONDS[kernel.name] * rows for rows in (1, 17)}
 
-    report = measure_kernels(key, FAKE_KERNELS, seconds)
+    report = measure_kernels(key, FAKE_KERNELS, passes)
     assert "saturating" not in timed  # an inexact kernel is dropped before it is timed
     report.one_token_ms.update(one_token_ms or {})
     return kernel_in_use(report, forced)
@@ -346,7 +346,7 @@ def test_forcing_an_inexact_or_unknown_kernel_is_refused_in_one_line(monkeypatch
 
 def test_no_exact_kernel_refuses_int8():
     key = {"cpu": {"model": "Test CPU", "flags": ["avx2"]}, "shapes": [[40, 96]]}
-    report = measure_kernels(key, FAKE_KERNELS[2:], lambda kernel, shapes, rows: 1.0)
+    report = measure_kernels(key, FAKE_KERNELS[2:], lambda kernel, shapes: pytest.fail("an inexact kernel was timed"))
     with pytest.raises(
         FedLookaheadError, match="no exact int8 kernel on this CPU.*saturating off by up to.*--dtype fp32"
     ):
