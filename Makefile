@@ -25,7 +25,7 @@ demo: install
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -16,13 +16,18 @@ from common.decoding.calibration import CostCurve, calibration_key
 from common.default_model import train_tokenizer
 
 TINY_VOCAB = 512
+LOOPBACK_URL = "http://127.0.0.1"  # TestClient's default Host, "testserver", is not loopback: refused
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with slow tests first: `make test` runs files on two workers (pytest-xdist, --dist loadfile), and
-    the minutes-long deployment test must not be the last one started."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
+    """The files with the longest tests first (`slow(minutes=N)`): `make test` runs files on two workers
+    (pytest-xdist, --dist loadfile --no-loadscope-reorder), and the minutes-long deployment test must be
+    the first one started, not the last."""
+    minutes: dict[Path, float] = {}
+    for item in items:
+        if marker := item.get_closest_marker("slow"):
+            minutes[item.path] = max(minutes.get(item.path, 0.0), marker.kwargs.get("minutes", 1.0))
+    items.sort(key=lambda item: -minutes.get(item.path, 0.0))  # stable: order within a file is kept
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -397,7 +397,7 @@ def test_unreachable_superlink_retries_then_gives_up(tmp_path, tiny_base_dir):
 # ------------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=5)
 def test_deployment_end_to_end(tmp_path, tiny_base_dir):
     certs = make_certs(tmp_path / "certs", nodes=4)  # node-4 is never registered
     other_ca = make_certs(tmp_path / "other-ca", nodes=0)
