@@ -56,11 +56,12 @@ from pydantic import ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.state import read_heads_meta
-from common.base import BaseModel, Loading
+from common.base import BaseModel, Loading, check_text
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper, check_prompt, check_sampling
 from common.errors import FedLookaheadError
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from common.loopback import host_header_is_loopback, refused_host_message
 
 log = logging.getLogger("fedla.endpoint")
 
@@ -261,7 +262,9 @@ def prompt_token_ids(base: BaseModel, prompt: Prompt) -> list[int]:
     """Raw text as `fedla generate` tokenizes it; chat messages through the tokenizer's chat template."""
     tokenizer = base.tokenizer
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(check_text(prompt, "prompt"), add_special_tokens=False)["input_ids"])
+    for index, message in enumerate(prompt):
+        check_text(message["content"], f"messages[{index}].content")
     if not getattr(tokenizer, "chat_template", None):
         raise FedLookaheadError(f"the base's tokenizer ({base.path.name}) has no chat template: use /v1/completions")
     try:
@@ -335,7 +338,7 @@ class Endpoint:
         ids = prompt_token_ids(base, prompt)
         if not ids:
             raise FedLookaheadError("the prompt is empty after tokenization")
-        check_sampling(sampling.temperature, sampling.top_p, sampling.max_tokens)
+        check_sampling(sampling.temperature, sampling.top_p, sampling.max_tokens, sampling.seed)
         prompt_ids = check_prompt(base, ids)
         snapshot = self.heads.refresh(base)  # between requests: the only place heads change
         emit(("start", snapshot.version))
@@ -442,6 +445,13 @@ def create_endpoint_app(
     endpoint = Endpoint(base_dir, heads_dir, loading, max_queue, policy)
     app = FastAPI(title="FedLookahead local endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.endpoint = endpoint
+
+    @app.middleware("http")
+    async def loopback_hosts_only(request: Request, call_next):
+        host = request.headers.get("host")
+        if not host_header_is_loopback(host):
+            return _error(400, refused_host_message(host, "endpoint"), "invalid_request_error", "invalid_host")
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -190,9 +190,24 @@ def load_base(
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8_kernel=int8_kernel)
 
 
+def check_text(text: str, what: str) -> str:
+    """`text` when it is valid Unicode, else a one-line error. A JSON "\\ud800" escape, or bytes that are
+    not UTF-8 in a command-line argument (Python decodes them to lone surrogates), reach the tokenizer as
+    strings it cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FedLookaheadError(
+            f"{what} is not valid Unicode text: {text[exc.start]!r} at character {exc.start} "
+            "(a lone surrogate, or bytes that are not UTF-8)"
+        ) from None
+    return text
+
+
 def prompt_ids(model: BaseModel, prompt: str, chat: bool) -> torch.Tensor:
     """Token ids of a raw completion prompt, or of one user turn in the tokenizer's chat template."""
     tokenizer = model.tokenizer
+    check_text(prompt, "the prompt")
     if not chat:
         return torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if not getattr(tokenizer, "chat_template", None):

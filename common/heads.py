@@ -42,6 +42,7 @@ WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
 ARCHITECTURES = ("recurrent", "parallel", "eagle")
 MAX_HEADS = 16  # a config asking for more is refused before anything is allocated
+MAX_FFN_RATIO = 16  # eagle layer width per hidden unit: bases use 2.7-4; a larger one is refused unallocated
 DraftState = torch.Tensor | tuple[torch.Tensor, ...]  # per drafted row; eagle: (feature, path keys, path values)
 
 
@@ -90,6 +91,12 @@ class HeadsConfig:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in layer.values()):
             raise FedLookaheadError("bad heads config: the layer's geometry must be positive numbers")
         heads, kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+        ffn = layer["intermediate_size"]
+        if ffn != int(ffn) or ffn > MAX_FFN_RATIO * self.hidden_size:  # a config from the server sizes memory
+            raise FedLookaheadError(
+                f"bad heads config: intermediate_size must be a whole number of at most {MAX_FFN_RATIO} x the "
+                f"hidden size ({MAX_FFN_RATIO * self.hidden_size}), got {ffn}"
+            )
         if self.hidden_size % heads or heads % kv_heads or (self.hidden_size // heads) % 2:
             raise FedLookaheadError(
                 f"bad heads config: layer geometry {layer} does not fit hidden size {self.hidden_size}"

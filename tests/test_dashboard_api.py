@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LOOPBACK_URL
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's note about httpx vs httpx2
     from fastapi.testclient import TestClient
@@ -42,7 +44,7 @@ def filled(store, tmp_path) -> RunStore:
 
 @pytest.fixture
 def client(filled) -> TestClient:
-    return TestClient(create_app(filled))
+    return TestClient(create_app(filled), base_url=LOOPBACK_URL)
 
 
 def test_api_runs_run_and_rounds(client, filled):
@@ -121,7 +123,7 @@ def test_unknown_run_is_404_json_for_api_and_html_for_pages(client):
 
 
 def test_empty_database_shows_empty_state(store):
-    client = TestClient(create_app(store))
+    client = TestClient(create_app(store), base_url=LOOPBACK_URL)
     page = client.get("/")
     assert page.status_code == 200 and "No runs recorded yet" in page.text
     assert client.get("/api/runs").json() == []
@@ -213,15 +215,15 @@ def test_checkpoint_of_a_store_kept_elsewhere_needs_the_run_dir(tmp_path):
     """With the store outside the run folder, checkpoints are served only from the run_dir the operator gives."""
     with RunStore(f"sqlite:///{tmp_path / 'db' / 'fedla.db'}") as writer:
         fill_realistic_run(writer, "away", rounds=5, run_dir=tmp_path / "runs")
-    refused = TestClient(create_app(str(tmp_path / "db" / "fedla.db")))
+    refused = TestClient(create_app(str(tmp_path / "db" / "fedla.db")), base_url=LOOPBACK_URL)
     assert refused.get("/runs/away/checkpoint").status_code == 404
-    served = TestClient(create_app(str(tmp_path / "db" / "fedla.db"), run_dir=tmp_path / "runs"))
+    served = TestClient(create_app(str(tmp_path / "db" / "fedla.db"), run_dir=tmp_path / "runs"), base_url=LOOPBACK_URL)
     response = served.get("/runs/away/checkpoint")
     assert response.status_code == 200 and response.headers["x-checkpoint-round"] == "5"
 
 
 def test_token_guards_every_request(filled):
-    client = TestClient(create_app(filled, token=TOKEN))
+    client = TestClient(create_app(filled, token=TOKEN), base_url=LOOPBACK_URL)
     for path in (
         "/",
         "/runs/run-20",
@@ -305,7 +307,7 @@ def test_unbounded_epsilon_is_null(store):
             bytes_down_per_client=10,
         ),
     )
-    client = TestClient(create_app(store))
+    client = TestClient(create_app(store), base_url=LOOPBACK_URL)
     assert client.get("/api/runs/nodp/rounds").json()[0]["privacy"]["epsilon_max"] is None
     assert client.get("/runs/nodp").status_code == 200
 

@@ -21,6 +21,8 @@ import pytest
 from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
+from tests.conftest import LOOPBACK_URL
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's note about httpx vs httpx2
     from fastapi.testclient import TestClient
@@ -52,7 +54,7 @@ def listing(folder: Path) -> dict[str, str]:
 
 def read_pages(db: Path) -> dict[str, Any]:
     """What a dashboard over `db` answers: statuses, run ids, round numbers, checkpoint digest."""
-    client = TestClient(create_app(str(db)))
+    client = TestClient(create_app(str(db)), base_url=LOOPBACK_URL)
     responses = {
         path: client.get(path)
         for path in ("/api/runs", "/api/runs/run-a/rounds", "/runs/run-a", "/runs/run-a/checkpoint")
@@ -166,7 +168,7 @@ def test_write_protected_store_in_a_read_only_folder_opens(tmp_path):
 
 def test_deleting_the_store_while_serving_is_503_and_recreates_nothing(tmp_path):
     db = make_store(tmp_path / "fedla.db")
-    client = TestClient(create_app(str(db)))
+    client = TestClient(create_app(str(db)), base_url=LOOPBACK_URL)
     assert client.get("/api/runs").status_code == 200
     for path in tmp_path.glob("fedla.db*"):
         path.unlink()
@@ -202,3 +204,27 @@ def test_cli_errors_never_show_secrets(tmp_path):
         assert done.returncode == 2, output
         assert "PW-1234" not in output and "s3cret-TOKEN-9" not in output and "Traceback" not in output
         assert len(output.strip().splitlines()) == 1 and output.startswith("error:")
+
+
+def test_the_dashboard_answers_only_loopback_host_names_unless_a_token_is_set(tmp_path):
+    db = tmp_path / "fedla.db"
+    RunStore(str(db)).close()
+    open_dashboard = create_app(str(db))
+    for host in ("evil.example.com", "evil.example.com:8080", "10.0.0.7"):
+        response = TestClient(open_dashboard, base_url=f"http://{host}").get("/api/runs")
+        assert response.status_code == 400 and "answers only loopback host names" in response.json()["detail"]
+    for host in ("127.0.0.1:8080", "localhost"):
+        assert TestClient(open_dashboard, base_url=f"http://{host}").get("/api/runs").status_code == 200, host
+    token = "t" * 32
+    guarded = TestClient(create_app(str(db), token=token), base_url="http://dashboard.example.com")
+    assert guarded.get("/api/runs").status_code == 401  # any host, but only with the token
+    assert guarded.get("/api/runs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+
+def test_host_headers_that_name_this_machine():
+    from common.loopback import host_header_is_loopback
+
+    for host in ("127.0.0.1", "127.0.0.1:80", "localhost:8765", "[::1]:8080", "::1", "app.localhost"):
+        assert host_header_is_loopback(host), host
+    for host in ("evil.example.com", "localhost.evil.com", "[::2]:80", "0.0.0.0:8080", "", None, "[::1"):
+        assert not host_header_is_loopback(host), host

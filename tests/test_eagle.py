@@ -152,3 +152,17 @@ def test_layer_geometry_is_validated():
     geometry = {"num_attention_heads": 5, "num_key_value_heads": 5, "intermediate_size": 8, "rope_theta": 1e4}
     with pytest.raises(FedLookaheadError, match="does not fit hidden size 64"):
         HeadsConfig(**common, arch="eagle", layer=geometry)
+
+
+def test_a_server_cannot_size_the_eagle_layer_beyond_reason():
+    """The heads' config comes from the server: an intermediate_size of 10**12 would be allocated by the
+    device before anything else failed."""
+    common = dict(num_heads=2, hidden_size=64, vocab_size=100, base_fingerprint="x", arch="eagle")
+    geometry = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 10**12, "rope_theta": 1e4}
+    with pytest.raises(
+        FedLookaheadError, match=r"intermediate_size must be a whole number of at most 16 x .* \(1024\)"
+    ):
+        HeadsConfig(**common, layer=geometry)
+    with pytest.raises(FedLookaheadError, match="intermediate_size must be a whole number"):
+        HeadsConfig(**common, layer={**geometry, "intermediate_size": 128.5})
+    assert HeadsConfig(**common, layer={**geometry, "intermediate_size": 1024}).layer["intermediate_size"] == 1024

@@ -302,6 +302,18 @@ def test_only_loopback_hosts_are_served(base_dir, tmp_path):
         start_endpoint(never_loaded, None, host="10.0.0.1", port=0)
 
 
+def test_a_foreign_host_header_is_refused(client):
+    """DNS rebinding: a page from evil.example.com resolved to 127.0.0.1 reaches the port, with its own Host."""
+    port = client.base_url.port
+    for host in ("evil.example.com", f"evil.example.com:{port}", "127.0.0.1.evil.example.com", ""):
+        response = client.get("/v1/models", headers={"Host": host})
+        assert response.status_code == 400, (host, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "invalid_host" and "answers only loopback host names" in error["message"]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]:8765", "localhost"):
+        assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
 @pytest.mark.parametrize(
     ("path", "body", "fragment"),
     [
@@ -314,6 +326,13 @@ def test_only_loopback_hosts_are_served(base_dir, tmp_path):
         ("/v1/completions", {"prompt": "x", "n": 2}, "n: Input should be less than or equal to 1"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "give one prompt string"),
         ("/v1/completions", {"prompt": "x " * 600}, "but the base's context is 512"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed must be an integer from -2**63 to 2**64 - 1"),
+        ("/v1/completions", {"prompt": "def f(\ud800):"}, "prompt is not valid Unicode text: '\\ud800' at character 6"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udcff"}]},
+            "messages[1].content is not valid Unicode text",
+        ),
         ("/v1/chat/completions", {"messages": []}, "messages: List should have at least 1 item"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "every message is empty"),
@@ -325,7 +344,8 @@ def test_only_loopback_hosts_are_served(base_dir, tmp_path):
     ],
 )
 def test_bad_input_is_a_one_line_400(client, path, body, fragment):
-    response = client.post(path, json=body)
+    # json.dumps escapes a lone surrogate as JSON allows ("\\ud800"); httpx's json= could not encode it
+    response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and "\n" not in error["message"]

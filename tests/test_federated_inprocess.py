@@ -25,6 +25,7 @@ from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.params import heads_to_ndarrays
 from server.federation import run_federation
+from tests.conftest import LOOPBACK_URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
 from simulations.inprocess import InProcessGrid  # noqa: E402
@@ -326,7 +327,7 @@ def test_dashboard_api_over_a_store_filled_by_a_real_simulation(run_config):
 
     config = dict(run_config, **{"num-server-rounds": 2, "run-id": "real-sim"})
     run_dir, summary, _ = run(config, client_module.app, nodes=3)
-    with TestClient(create_app(f"sqlite:///{run_dir.parent / 'fedla.db'}")) as api:
+    with TestClient(create_app(f"sqlite:///{run_dir.parent / 'fedla.db'}"), base_url=LOOPBACK_URL) as api:
         runs = api.get("/api/runs").json()
         assert [r["run_id"] for r in runs] == ["real-sim"]
         rounds = api.get("/api/runs/real-sim/rounds").json()

@@ -286,3 +286,17 @@ def test_public_draft_vocab_is_seeded_public_and_keeps_eos(tiny_base):
     assert len(vocab) == len(set(vocab)) == 64 and vocab == sorted(vocab)
     assert eos_ids(tiny_base) <= set(vocab) and vocab == public_draft_vocab(tiny_base, 64, chunks=8, chunk_len=32)
     assert public_draft_vocab(tiny_base, tiny_base.vocab_size, chunks=8, chunk_len=32) == []  # whole vocabulary
+
+
+def test_cli_generate_refuses_text_that_is_not_unicode_and_an_oversized_seed_in_one_line(tiny_base_dir):
+    runner = CliRunner()
+    command = ["generate", "--base", str(tiny_base_dir), "--max-new-tokens", "2", "--mode", "greedy"]
+    # bytes \xff\xfe in an argument reach Python as lone surrogates (os.fsdecode's surrogateescape)
+    result = runner.invoke(app, command + ["--prompt", "def f(\udcff\udcfe x):"])
+    assert result.exit_code == 2
+    assert (
+        result.output.strip() == "error: the prompt is not valid Unicode text: '\\udcff' at character 6 (a lone "
+        "surrogate, or bytes that are not UTF-8)"
+    )
+    result = runner.invoke(app, command + ["--prompt", "x", "--temperature", "0.8", "--seed", str(2**70)])
+    assert result.exit_code == 2 and result.output.strip().startswith("error: seed must be an integer from -2**63")

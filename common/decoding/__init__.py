@@ -136,7 +136,7 @@ def generate(
     """
     if mode not in MODES:
         raise FedLookaheadError(f"unknown decoding mode {mode!r}: use one of {', '.join(MODES)}")
-    check_sampling(temperature, top_p, max_new_tokens)
+    check_sampling(temperature, top_p, max_new_tokens, seed)
     ids = check_prompt(base, prompt_ids)
     policy = policy or AmsPolicy()
     if mode in ("ams", "fused"):

@@ -142,11 +142,16 @@ class Stopper:
         return any(s in tail for s in self.stop_strings)
 
 
-def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int | None = None) -> None:
     if temperature < 0 or not 0.0 < top_p <= 1.0:
         raise FedLookaheadError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if max_new_tokens < 0:
         raise FedLookaheadError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise FedLookaheadError(f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -13,7 +13,8 @@ at start with a one-line error and nothing is created; a store deleted or replac
 503 on every request until the dashboard is restarted.
 
 Nothing changes state: every route is GET, any other method is answered 405. Bound to loopback by
-default; any other address needs a token, which is then checked on every request (``Authorization:
+default, and then it answers only requests whose Host header names this machine (a web page could
+otherwise reach it by DNS rebinding: common/loopback.py); any other address needs a token, which is then checked on every request (``Authorization:
 Bearer <token>`` or ``?token=<token>``; the pages pass it on to the API calls, links and assets).
 
 Plots use Chart.js 4.6.1 (MIT, see static/chart.js.LICENSE.md), vendored from the npm registry: no CDN.
@@ -23,7 +24,6 @@ Individual client updates are never stored or shown: with SecAgg+ the server onl
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.loopback import host_header_is_loopback, is_loopback, refused_host_message
 from server.recorder import PRIVACY_UTILITY_FILE
 from server.store import RunStore, StoreUnavailable, one_line
 
@@ -172,15 +173,6 @@ class PrivacyUtilityOut(BaseModel):
 # ------------------------------------------------------------------------------------------- app
 
 
-def _is_loopback(host: str) -> bool:
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _safe_filename(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "run"
 
@@ -228,6 +220,10 @@ def create_app(
         if request.method not in ("GET", "HEAD"):
             return JSONResponse(
                 {"detail": "read-only dashboard: only GET is allowed"}, status_code=405, headers={"Allow": "GET, HEAD"}
+            )
+        if token is None and not host_header_is_loopback(request.headers.get("host")):
+            return JSONResponse(
+                {"detail": refused_host_message(request.headers.get("host"), "dashboard")}, status_code=400
             )
         if token is not None:
             header = request.headers.get("authorization", "")
@@ -482,7 +478,7 @@ def check_bind(host: str, token: str | None) -> None:
     """Refuse (one-line ValueError) to serve beyond loopback without a strong enough token."""
     if token is not None and not token.strip():
         raise ValueError("the dashboard token is empty")
-    if not _is_loopback(host):
+    if not is_loopback(host):
         if not token:
             raise ValueError(
                 f"refusing to bind the dashboard to {host}: binding beyond 127.0.0.1 requires --token or ${TOKEN_ENV}"
