@@ -100,6 +100,11 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         result = device_round(heads, features, config, floor, run_key)
     else:  # a simulated client: the run config governs
         path = state_file(config, context.node_config, run_key) if config.dp else None
+        if config.dp and config.resume_from and path is None:  # a resumed run is a new Flower run: empty context
+            raise FedLookaheadError(
+                "resume-from with DP needs this client's accountant of the earlier rounds, which only "
+                "client-state-dir keeps: without it epsilon would restart at this round's"
+            )
         state = load_state(context, path, run_key) if config.dp else None
         result = train_round(heads, features, config, state)
         if state is not None and not result.skipped:

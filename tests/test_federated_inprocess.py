@@ -313,6 +313,21 @@ def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tm
     assert expected <= 8.0
 
 
+def test_a_dp_resume_without_the_clients_accountants_trains_nothing(run_config, tmp_path):
+    """Issue 29: resumed without client-state-dir, simulated clients started their accountants afresh and the
+    run reported epsilon 5.95 where 7.99 was spent. Now each refuses to train, saying why."""
+    config = dict(run_config, **{"num-server-rounds": 1, "run-id": "no-accountants", "fraction-evaluate": 0.0})
+    first_dir, _, _ = run(config, recording_app({}))
+    resumed = dict(config, **{"num-server-rounds": 2, "resume-from": str(first_dir)})
+    run_dir, summary, _ = run(resumed, recording_app({}))
+    record = round_record(run_dir, 2)
+    assert not record["aggregated"] and record["participation"]["succeeded"] == 0, record["participation"]
+    failures = record["participation"]["failures"]
+    assert len(failures) == 4 and all(
+        "resume-from with DP needs this client's accountant" in f for f in failures.values()
+    )
+
+
 def test_too_few_nodes_fails_fast_with_a_clear_error(run_config):
     config = dict(run_config, **{"min-available-clients": 5, "min-train-clients": 3})
     with pytest.raises(FedLookaheadError, match="only 3 node.*min-available-clients is 5"):
