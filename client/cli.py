@@ -34,6 +34,9 @@ def client_cmd(
     min_noise_multiplier: Optional[float] = typer.Option(
         None, help="Smallest noise multiplier it trains with (default 0.5)."
     ),
+    min_chunk_len: Optional[int] = typer.Option(
+        None, help="Fewest tokens per privacy unit (chunk) it trains on, whatever the run asks (default 32)."
+    ),
     root_certificates: Optional[Path] = typer.Option(
         None, help="CA certificate that signed the SuperLink's (default: system CAs)."
     ),
@@ -94,6 +97,7 @@ def client_cmd(
         max_delta=max_delta,
         max_grad_norm=max_grad_norm,
         min_noise_multiplier=min_noise_multiplier,
+        min_chunk_len=min_chunk_len,
         root_certificates=root_certificates,
         auth_key=auth_key,
         state_dir=state_dir,

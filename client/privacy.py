@@ -48,7 +48,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 from common.errors import FedLookaheadError
 from common.features import Features
-from common.fedconfig import FedConfig
+from common.fedconfig import MIN_CHUNK_LEN, FedConfig
 from common.heads import DraftHeads
 from common.lowrank import low_rank_updates
 from common.training import HeadMetrics, feature_loader, train_epoch
@@ -162,6 +162,7 @@ BUDGET_KEY = "budget-epsilon"
 MAX_DELTA_KEY = "max-dp-delta"
 MAX_GRAD_NORM_KEY = "max-dp-grad-norm"
 MIN_NOISE_KEY = "min-dp-noise-multiplier"
+MIN_CHUNK_LEN_KEY = "min-chunk-len"
 
 LEDGER_FILE = "privacy-ledger.json"
 TRAINED_MARKER = "trained-once"
@@ -177,6 +178,7 @@ class DeviceFloor:
     delta: float = 1e-5  # the largest delta it accepts; its lifetime epsilon is accounted at this delta
     max_grad_norm: float = 1.0  # the largest per-chunk clipping norm it accepts
     min_noise_multiplier: float = 0.5  # the smallest sigma it trains with
+    min_chunk_len: int = 32  # the fewest tokens one privacy unit (a chunk) holds: epsilon protects a chunk
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> DeviceFloor | None:
@@ -191,6 +193,7 @@ class DeviceFloor:
             (MAX_DELTA_KEY, "delta"),
             (MAX_GRAD_NORM_KEY, "max_grad_norm"),
             (MIN_NOISE_KEY, "min_noise_multiplier"),
+            (MIN_CHUNK_LEN_KEY, "min_chunk_len"),
         ):
             value = node_config.get(key, getattr(defaults, name))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -207,7 +210,12 @@ class DeviceFloor:
             raise FedLookaheadError(
                 f"node config {MIN_NOISE_KEY} must not be negative, got {floor.min_noise_multiplier:g}"
             )
-        return floor
+        if floor.min_chunk_len != int(floor.min_chunk_len) or floor.min_chunk_len < MIN_CHUNK_LEN:
+            raise FedLookaheadError(
+                f"node config {MIN_CHUNK_LEN_KEY} must be a whole number of at least {MIN_CHUNK_LEN} tokens, "
+                f"got {floor.min_chunk_len:g}"
+            )
+        return replace(floor, min_chunk_len=int(floor.min_chunk_len))
 
     def apply(self, config: FedConfig) -> FedConfig:
         """The run config, made no weaker than this floor (sigma's minimum is applied in train_round)."""
@@ -220,6 +228,8 @@ class DeviceFloor:
             dp_delta=config.dp_delta if run_dp and 0 < config.dp_delta < self.delta else self.delta,
             dp_max_grad_norm=min(config.dp_max_grad_norm, self.max_grad_norm),
             dp_noise_multiplier=config.dp_noise_multiplier if run_dp else 0.0,
+            # a run asking for 2-token chunks would report the same epsilon for protecting almost nothing
+            chunk_len=max(config.chunk_len, self.min_chunk_len),
         )
 
 

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from common.errors import FedLookaheadError
 
+MIN_CHUNK_LEN = 8  # the shortest chunk (privacy unit) any run or device floor may use
+
 PARTITIONINGS = ("iid", "dirichlet", "package")
 DP_LEVELS = ("example", "user")
 DP_TRAINABLE = ("all", "fusion", "blocks", "lowrank")
@@ -156,8 +158,8 @@ class FedConfig:
         for key, value in positive.items():
             if not value > 0:
                 raise FedLookaheadError(f"{key} must be positive, got {value}")
-        if self.chunk_len < 8:
-            raise FedLookaheadError(f"chunk-len must be at least 8 tokens, got {self.chunk_len}")
+        if self.chunk_len < MIN_CHUNK_LEN:
+            raise FedLookaheadError(f"chunk-len must be at least {MIN_CHUNK_LEN} tokens, got {self.chunk_len}")
         if not 0 < self.fraction_train <= 1:
             raise FedLookaheadError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
         if not 0 <= self.fraction_evaluate <= 1:

@@ -77,6 +77,19 @@ def test_device_floor_beats_a_weaker_run_config(tiny_base, tiny_base_dir, tmp_pa
     assert metrics["epsilon"] == pytest.approx(epsilon_of([(0.8, metrics["q"], metrics["steps"])], 1e-5))
 
 
+def test_the_privacy_unit_is_the_devices_to_bound(tiny_base_dir, tmp_path):
+    """Issue 29: chunk-len, the tokens one epsilon protects, came from the run config alone: a server asking
+    for 8-token chunks got the same epsilon reported for protecting a quarter of the text per unit."""
+    context = _device(tiny_base_dir, tmp_path / "state", {"chunk-len": 8})
+    assert client_config(context).chunk_len == 32  # the floor's default
+    context = _device(tiny_base_dir, tmp_path / "state", {"chunk-len": 48}, **{"min-chunk-len": 64})
+    assert client_config(context).chunk_len == 64
+    assert client_config(_device(tiny_base_dir, tmp_path / "state", {"chunk-len": 96})).chunk_len == 96  # stricter
+    for bad in (4, 40.5):
+        with pytest.raises(FedLookaheadError, match="min-chunk-len must be a whole number of at least 8 tokens"):
+            client_config(_device(tiny_base_dir, tmp_path / "state", **{"min-chunk-len": bad}))
+
+
 def test_budget_is_the_devices_across_runs(tiny_base, tiny_base_dir, tmp_path):
     """Two rounds of run A fit the budget; a new run B does not start a fresh one."""
     state = tmp_path / "state"

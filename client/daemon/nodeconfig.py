@@ -24,7 +24,14 @@ NODE_CONFIG_FILE = "node-config.toml"
 
 def floor_values(opts: DaemonOptions) -> dict:
     """This device's privacy floor as node config keys (client.privacy.DeviceFloor; unset options: its defaults)."""
-    from client.privacy import BUDGET_KEY, MAX_DELTA_KEY, MAX_GRAD_NORM_KEY, MIN_NOISE_KEY, DeviceFloor
+    from client.privacy import (
+        BUDGET_KEY,
+        MAX_DELTA_KEY,
+        MAX_GRAD_NORM_KEY,
+        MIN_CHUNK_LEN_KEY,
+        MIN_NOISE_KEY,
+        DeviceFloor,
+    )
 
     defaults = DeviceFloor(Path("."))
     chosen = {
@@ -33,7 +40,9 @@ def floor_values(opts: DaemonOptions) -> dict:
         MAX_GRAD_NORM_KEY: (opts.max_grad_norm, defaults.max_grad_norm),
         MIN_NOISE_KEY: (opts.min_noise_multiplier, defaults.min_noise_multiplier),
     }
-    return {key: float(default if value is None else value) for key, (value, default) in chosen.items()}
+    values = {key: float(default if value is None else value) for key, (value, default) in chosen.items()}
+    values[MIN_CHUNK_LEN_KEY] = int(defaults.min_chunk_len if opts.min_chunk_len is None else opts.min_chunk_len)
+    return values
 
 
 def node_config_values(opts: DaemonOptions, state_dir: Path, base_dir: Path | None = None) -> dict:

@@ -34,6 +34,7 @@ class DaemonOptions:
     max_delta: float | None = None  # None: DeviceFloor's defaults, for these three too
     max_grad_norm: float | None = None
     min_noise_multiplier: float | None = None
+    min_chunk_len: int | None = None
     root_certificates: Optional[Path] = None
     auth_key: Optional[Path] = None
     state_dir: Optional[Path] = None
