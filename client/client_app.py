@@ -132,10 +132,10 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         metrics[P.LOSS] = float(summary["loss"])
         for k, acc in enumerate(summary["head_accuracy"], start=1):
             metrics[f"{P.ACC_PREFIX}{k}"] = float(acc)
-    # SecAgg+ weight: capped so weight / max_weight <= 1 (beyond, the masked sum would overflow)
-    weight = 0 if result.skipped else min(len(data.train), int(config.secagg_max_weight))
+    # capped as the server caps it (under SecAgg+: weight / max_weight <= 1, and a larger claim is refused)
+    weight = 0 if result.skipped else min(len(data.train), config.weight_cap)
     if user_level:  # every client weighs the same: one client moves the mean by at most clip / n
-        weight = int(min(config.secagg_max_weight, config.max_chunks_per_client or config.secagg_max_weight))
+        weight = config.weight_cap
     device_state.train_finished(context, fit_config, metrics, weight)
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
 

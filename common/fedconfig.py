@@ -141,6 +141,17 @@ class FedConfig:
     def planned_rounds(self) -> int:
         return self.dp_planned_rounds or self.num_server_rounds
 
+    @property
+    def weight_cap(self) -> int:
+        """The largest aggregation weight of one client: the most train chunks an honest client can have
+        (max-chunks-per-client, 0: unbounded), never above secagg-max-weight, and at least 1 so that a
+        trained reply never weighs 0. Under SecAgg+ it is also the workflow's max_weight: honest clients
+        scale their update by weight / cap, and a plaintext claim above it is refused (server/guard.py)."""
+        cap = int(self.secagg_max_weight)
+        if self.max_chunks_per_client:
+            cap = min(cap, self.max_chunks_per_client)
+        return max(1, cap)
+
     def validate(self) -> None:
         positive = {
             "num-server-rounds": self.num_server_rounds,

@@ -28,7 +28,7 @@ from common.heads import DraftHeads
 from common.params import heads_records
 from common.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, EvalReply, ReplyError
 from common.training import evaluate_heads
-from server.guard import array_record_bytes, weight_cap
+from server.guard import array_record_bytes
 
 log = logging.getLogger("flwr.fedla.server")
 
@@ -112,7 +112,7 @@ def client_evaluation(
     examples = 0
     taus: list[float] = []
     rejected, failed = [], 0
-    cap = weight_cap(config)
+    cap = config.weight_cap
     for reply in replies:
         if reply.has_error():
             failed += 1

@@ -169,7 +169,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             workflow = SecAggPlusWorkflow(
                 num_shares=config.secagg_num_shares,
                 reconstruction_threshold=config.secagg_reconstruction_threshold,
-                max_weight=config.secagg_max_weight,
+                max_weight=config.weight_cap,
                 clipping_range=config.secagg_clipping_range,
                 quantization_range=config.secagg_quantization_range,
                 timeout=config.round_timeout or None,

@@ -9,9 +9,11 @@ counted as rejected with its reason; SecAgg+ then treats that client as dropped 
 removed with the other clients' key shares), so the round goes on. Evaluation replies are checked by
 `common.protocol.EvalReply` where they are read (server/evaluation.py).
 
-Weights: no client weighs more than `weight_cap` (the most train chunks an honest client can claim:
-max-chunks-per-client, and never above secagg-max-weight). In plain FedAvg the server applies the cap
-to the weight it averages with, so a client claiming 10**12 examples counts as one full client.
+Weights: no client weighs more than `FedConfig.weight_cap` (the most train chunks an honest client can
+claim: max-chunks-per-client, and never above secagg-max-weight). In plain FedAvg the server applies the
+cap to the weight it averages with, so a client claiming 10**12 examples counts as one full client. Under
+SecAgg+ the cap is the workflow's max_weight and a plaintext claim above it is refused (the client is
+dropped and named), since the server cannot cap a weight inside a masked update.
 
 What SecAgg+ cannot check: each client multiplies its update by its own weight factor and sends the
 factor inside the masked vector, so the server only ever sees the sum of the factors. The plaintext
@@ -212,11 +214,12 @@ class GuardedGrid(Grid):
             raise ReplyError(f"client status {fitres.status.code.name}: {short_reason(fitres.status.message, 120)}")
         if masked:
             # The masked weight factor is hidden from the server (see the module docstring); the
-            # plaintext count is not, and an honest client never claims more than secagg-max-weight
-            # (beyond it, its factor would overflow the quantised sum).
-            if reply.num_examples > self._config.secagg_max_weight:
+            # plaintext count is not, and an honest client never claims more than the weight cap, the
+            # workflow's max_weight (a cap the server could not apply to a masked update).
+            if reply.num_examples > self._config.weight_cap:
                 raise ReplyError(
-                    f"weight {reply.num_examples} above secagg-max-weight {self._config.secagg_max_weight:g}"
+                    f"weight {reply.num_examples} above the weight cap {self._config.weight_cap} "
+                    "(max-chunks-per-client, secagg-max-weight)"
                 )
             payload = content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.MASKED_PARAMETERS)
             if not isinstance(payload, list) or not all(isinstance(b, bytes) for b in payload):
@@ -241,16 +244,6 @@ class GuardedGrid(Grid):
             if reason:
                 raise ReplyError(reason)
         self.exchange.checked[node] = reply
-
-
-def weight_cap(config: FedConfig) -> int:
-    """The largest weight the server gives one client: the most train chunks an honest client can have
-    (max-chunks-per-client, 0: unbounded) and never above secagg-max-weight (clients cap their SecAgg+
-    factor there), at least 1 so that a trained reply never weighs 0."""
-    cap = int(config.secagg_max_weight)
-    if config.max_chunks_per_client:
-        cap = min(cap, config.max_chunks_per_client)
-    return max(1, cap)
 
 
 def short_reason(reason: str, limit: int = 300) -> str:

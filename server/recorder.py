@@ -60,7 +60,7 @@ class Recorder:
             "reconstruction_threshold": config.secagg_reconstruction_threshold,
             "clipping_range": config.secagg_clipping_range,
             "quantization_range": config.secagg_quantization_range,
-            "max_weight": config.secagg_max_weight,
+            "max_weight": config.weight_cap,
         }
         self.store.start_run(self.run_id, finite_or_none(config.to_dict()), secagg)
 

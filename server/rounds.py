@@ -39,7 +39,7 @@ from common.heads import DraftHeads
 from common.params import expected_shapes, heads_config_dict, heads_to_ndarrays, load_ndarrays, validate_update
 from common.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
 from server.evaluation import ServerEval, client_evaluation
-from server.guard import ExchangeLog, GuardedGrid, weight_cap
+from server.guard import ExchangeLog, GuardedGrid
 
 log = logging.getLogger("flwr.fedla.server")
 
@@ -155,7 +155,7 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
 
 
 class HeadsStrategy(Strategy):
-    """FedAvg of head weights, weighted by train chunks capped at `weight_cap`; budget-skipped replies
+    """FedAvg of head weights, weighted by train chunks capped at `FedConfig.weight_cap`; budget-skipped replies
     (weight 0) add nothing, and a round where every client skipped keeps the heads and says so.
 
     It reads only what the guard checked (`ExchangeLog.checked`), never the raw FitRes metrics. Under
@@ -216,7 +216,7 @@ class HeadsStrategy(Strategy):
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
     ) -> tuple[Parameters | None, dict[str, Any]]:
         log_ = self.exchange
-        cap = weight_cap(self.config)
+        cap = self.config.weight_cap
         weighted: list[tuple[FitRes, int]] = []
         for proxy, res in results:
             reply = log_.checked.get(proxy.node_id)

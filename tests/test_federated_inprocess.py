@@ -111,7 +111,7 @@ def weighted_mean(updates: list[tuple[list[np.ndarray], int]]) -> list[np.ndarra
 def secagg_tolerance(config: FedConfig, weights: list[int]) -> float:
     """Stochastic quantisation: each client's weighted value is off by < one step 2c/Q, the sum by n steps."""
     step = 2 * config.secagg_clipping_range / config.secagg_quantization_range
-    return len(weights) * step / (sum(weights) / config.secagg_max_weight) + 1e-6
+    return len(weights) * step / (sum(weights) / config.weight_cap) + 1e-6
 
 
 def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
@@ -241,19 +241,23 @@ def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_co
     ]
 
 
-def test_secagg_rejects_a_plaintext_weight_above_max_weight(run_config, tiny_base):
-    """Its masked factor would overflow: the client is dropped, the others' secure mean stands."""
+@pytest.mark.parametrize("claimed", [10**12, 1000])
+def test_secagg_rejects_a_plaintext_weight_above_the_cap(run_config, tiny_base, claimed):
+    """The server cannot cap a weight inside a masked update, so a claim above the cap (12 chunks here; 1000
+    is secagg-max-weight, which passed before and then weighed 1000 in the secure mean while the record said
+    "capped at 12") is refused: the client is dropped and named, the others' secure mean stands."""
     sent: dict = {}
 
     def corrupt(node_id: int, fitres: FitRes) -> FitRes:
-        weight = 10**12 if node_id == 1000 else fitres.num_examples
+        weight = claimed if node_id == 1000 else fitres.num_examples
         return FitRes(fitres.status, fitres.parameters, weight, fitres.metrics)
 
     run_dir, _, _ = run(run_config, recording_app(sent, corrupt))
     record = round_record(run_dir)
     assert record["participation"]["rejected"] == [
-        {"node": 1000, "reason": "weight 1000000000000 above secagg-max-weight 1000"}
+        {"node": 1000, "reason": f"weight {claimed} above the weight cap 12 (max-chunks-per-client, secagg-max-weight)"}
     ]
+    assert record["participation"]["capped_weights"] == {}  # nothing claims a cap the server could not apply
     assert record["aggregated"], record["aggregate_note"]
     honest = [v for node, v in sent.items() if node != 1000]
     tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])

@@ -25,7 +25,7 @@ from common.fedconfig import FedConfig
 from common.heads import DraftHeads
 from common.protocol import EvalReply, ReplyError, TrainReply
 from server.evaluation import client_evaluation
-from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid, weight_cap
+from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid
 from server.rounds import HeadsStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
@@ -156,7 +156,7 @@ def test_a_reply_without_the_fitres_records_is_rejected():
 @pytest.mark.parametrize("max_chunks,cap", [(12, 12), (0, 1000)])
 def test_plain_fedavg_caps_a_huge_claimed_weight(max_chunks, cap):
     config = plain_config(**{"max-chunks-per-client": max_chunks})
-    assert weight_cap(config) == cap
+    assert config.weight_cap == cap
     guard, replies = guard_round([fit_reply(10**12, arrays=update(1.0)), fit_reply(10, arrays=update(0.0))], config)
     mean = aggregate(guard, replies, config)
     for got in mean:
@@ -174,13 +174,16 @@ def test_a_round_where_every_client_skipped_keeps_the_heads_and_says_why():
     assert guard.exchange.aggregate_note == "all 2 client(s) skipped training (privacy budget): heads unchanged"
 
 
-def test_secagg_plaintext_weight_above_max_weight_is_rejected():
-    config = FedConfig.from_mapping({"secagg": True})
-    masked = fit_reply(1001)
+@pytest.mark.parametrize("max_chunks,cap", [(256, 256), (0, 1000)])
+def test_secagg_plaintext_weight_above_the_cap_is_rejected(max_chunks, cap):
+    config = FedConfig.from_mapping({"secagg": True, "max-chunks-per-client": max_chunks})
+    masked = fit_reply(cap + 1)
     masked.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({SecAggKey.MASKED_PARAMETERS: []})
     guard, replies = guard_round([masked], config, stage=Stage.COLLECT_MASKED_VECTORS)
     assert replies[0].has_error()
-    assert guard.exchange.rejected[0]["reason"] == "weight 1001 above secagg-max-weight 1000"
+    assert guard.exchange.rejected[0]["reason"] == (
+        f"weight {cap + 1} above the weight cap {cap} (max-chunks-per-client, secagg-max-weight)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- eval
