@@ -33,7 +33,7 @@ from common.params import heads_to_ndarrays
 from common.training import DEFAULT_DRAFT_VOCAB
 from server import server_optimizer
 from server.evaluation import ServerEval
-from server.recorder import Recorder, latest_checkpoint
+from server.recorder import Recorder, checkpoints_newest_first
 from server.rounds import RoundContext, run_round
 from server.store import RunStore
 
@@ -98,19 +98,44 @@ def server_base(config: FedConfig) -> BaseModel:
     return load_base(path, device=config.device)
 
 
+def _mark_failed(config: FedConfig, run_dir: Path) -> None:
+    """A run that cannot be resumed is a dead one: its store row says failed, not running forever."""
+    store = RunStore(run_store_url(config))
+    try:
+        if store.get_run(run_dir.name) is not None:
+            store.finish_run(run_dir.name, "failed")
+            store.write_summary(run_dir.name, run_dir / "summary.json")
+    finally:
+        store.close()
+
+
+def run_store_url(config: FedConfig) -> str:
+    """The run store: store-url, else $FEDLA_DB, else <run-dir>/fedla.db."""
+    run_root = Path(config.run_dir).expanduser().resolve()
+    return config.store_url or os.environ.get("FEDLA_DB") or str(run_root / "fedla.db")
+
+
 def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tuple[Path, str, DraftHeads, int]:
     """(run folder, run id, heads, first round): a resumed run's last checkpoint, init-heads, or fresh heads."""
     if config.resume_from:
         run_dir = Path(config.resume_from).expanduser().resolve()
         if not run_dir.is_dir():
             raise FedLookaheadError(f"resume-from: no run folder {run_dir}")
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise FedLookaheadError(f"resume-from: no checkpoint under {run_dir / 'checkpoints'}")
-        last_round, ckpt = found
-        heads = DraftHeads.load(ckpt, base)  # refuses a checkpoint for another base
-        log.info("resuming run %s after round %d (head version %d)", run_dir.name, last_round, heads.config.version)
-        return run_dir, run_dir.name, heads, last_round + 1
+        problems = []
+        for last_round, ckpt in checkpoints_newest_first(run_dir):
+            try:
+                heads = DraftHeads.load(ckpt, base)  # refuses a checkpoint for another base, or a damaged one
+            except FedLookaheadError as exc:
+                problems.append(str(exc))
+                log.warning("resume-from: skipping checkpoint %s: %s", ckpt, exc)
+                continue
+            log.info("resuming run %s after round %d (head version %d)", run_dir.name, last_round, heads.config.version)
+            return run_dir, run_dir.name, heads, last_round + 1
+        _mark_failed(config, run_dir)
+        raise FedLookaheadError(
+            f"resume-from: no usable checkpoint under {run_dir / 'checkpoints'}"
+            + (f" (the newest: {problems[0]})" if problems else "")
+        )
     run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
     if config.init_heads:
         heads = DraftHeads.load(config.init_heads, base)
@@ -127,8 +152,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
     """The whole federated run; returns runs/<run-id>. Raises (after marking the run failed) on fatal errors."""
     base = server_base(config)
     run_dir, run_id, heads, start_round = _starting_heads(config, base, context)
-    run_root = Path(config.run_dir).expanduser().resolve()
-    store = RunStore(config.store_url or os.environ.get("FEDLA_DB") or str(run_root / "fedla.db"))
+    store = RunStore(run_store_url(config))
     recorder = Recorder(run_dir, run_id, store)
     recorder.start(config)
     stop = None

@@ -1,6 +1,6 @@
 """Where a run's records go: each `RoundRecord` is written once, here, to every place that keeps it.
 
-Per round: the checkpoint (`checkpoints/round-N/`, and its row in the run store), `rounds/round-N.json`
+Per round: the checkpoint (`checkpoints/round-N/`, written atomically, and its row in the run store), `rounds/round-N.json`
 (the whole record), the store's round row (what the dashboard reads) and `summary.json` (written from
 the store, so it and the dashboard never disagree). At the end: the run's status and the plot (drawn
 from summary.json).
@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from common.fedconfig import FedConfig
-from common.heads import WEIGHTS_FILE, DraftHeads
+from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from common.protocol import RoundRecord, finite_or_none
 from server.store import RunStore
 
@@ -26,14 +28,31 @@ PRIVACY_UTILITY_FILE = (
 )
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """(round, folder) of the newest complete checkpoint under `run_dir`/checkpoints, None if there is none."""
+def checkpoints_newest_first(run_dir: Path) -> list[tuple[int, Path]]:
+    """(round, folder) of every checkpoint under `run_dir`/checkpoints with both heads files, newest first.
+    Whether one loads is for its reader to find out (a checkpoint written before they were atomic may be
+    truncated)."""
     found = []
     for path in (run_dir / "checkpoints").glob("round-*"):
         suffix = path.name.removeprefix("round-")
-        if suffix.isdigit() and (path / WEIGHTS_FILE).is_file():
+        if suffix.isdigit() and (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
             found.append((int(suffix), path))
-    return max(found) if found else None
+    return sorted(found, reverse=True)
+
+
+def save_checkpoint(heads: DraftHeads, folder: Path) -> Path:
+    """`heads.save(folder)` atomically: written into a temporary folder, flushed to disk, then renamed, so
+    that a crash leaves the old checkpoint or the new one, never half of one."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
+    heads.save(tmp)
+    for path in tmp.iterdir():
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+    if folder.exists():  # the same round written again (a resumed run redoing it)
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
 
 
 def file_sha256(path: Path) -> str:
@@ -70,7 +89,7 @@ class Recorder:
 
     def record(self, record: RoundRecord, heads: DraftHeads) -> None:
         """The round's checkpoint, round file, store row and summary, and its one log line."""
-        ckpt_dir = heads.save(self.run_dir / "checkpoints" / f"round-{record.round}")
+        ckpt_dir = save_checkpoint(heads, self.run_dir / "checkpoints" / f"round-{record.round}")
         size = sum(p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file())
         self.store.record_checkpoint(
             self.run_id,

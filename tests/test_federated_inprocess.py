@@ -317,6 +317,29 @@ def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tm
     assert expected <= 8.0
 
 
+def test_resume_skips_a_half_written_checkpoint_and_a_run_it_cannot_resume_is_marked_failed(run_config, tmp_path):
+    """Issue 29: a truncated weights file made resume fail with "no heads in .../round-N" and the run showed
+    "running" forever. Now resume takes the newest checkpoint that loads; with none, the run is failed."""
+    from server.store import RunStore
+
+    config = dict(run_config, **{"num-server-rounds": 2, "run-id": "crashy", "fraction-evaluate": 0.0, "dp": False})
+    run_dir, _, _ = run(config, recording_app({}))
+    weights = run_dir / "checkpoints" / "round-2" / "heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # as a crash mid-write left it
+    resumed_dir, summary, _ = run(
+        dict(config, **{"num-server-rounds": 3, "resume-from": str(run_dir)}), recording_app({})
+    )
+    assert resumed_dir == run_dir and summary["run"]["status"] == "finished"
+    assert json.loads((run_dir / "run.json").read_text())["resumed_from_round"] == 1  # round 2 is trained again
+    assert not list((run_dir / "checkpoints").glob(".*"))  # checkpoints are written atomically: no leftovers
+    for folder in (run_dir / "checkpoints").iterdir():
+        (folder / "heads.safetensors").write_bytes(b"")
+    with pytest.raises(FedLookaheadError, match="resume-from: no usable checkpoint under .* \\(the newest: "):
+        run(dict(config, **{"num-server-rounds": 4, "resume-from": str(run_dir)}), recording_app({}))
+    with RunStore(str(Path(config["run-dir"]) / "fedla.db"), read_only=True) as store:
+        assert store.get_run("crashy")["status"] == "failed"
+
+
 def test_a_dp_resume_without_the_clients_accountants_trains_nothing(run_config, tmp_path):
     """Issue 29: resumed without client-state-dir, simulated clients started their accountants afresh and the
     run reported epsilon 5.95 where 7.99 was spent. Now each refuses to train, saying why."""
