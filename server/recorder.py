@@ -40,6 +40,11 @@ def checkpoints_newest_first(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(round, folder) of the newest checkpoint with both heads files, None if there is none."""
+    return next(iter(checkpoints_newest_first(run_dir)), None)
+
+
 def save_checkpoint(heads: DraftHeads, folder: Path) -> Path:
     """`heads.save(folder)` atomically: written into a temporary folder, flushed to disk, then renamed, so
     that a crash leaves the old checkpoint or the new one, never half of one."""

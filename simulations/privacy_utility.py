@@ -225,7 +225,7 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
 
 def final_heads(run_dir: Path, base):
     from common.heads import DraftHeads
-    from server.federation import latest_checkpoint
+    from server.recorder import latest_checkpoint
 
     found = latest_checkpoint(run_dir)
     if found is None:
