@@ -115,6 +115,20 @@ def chunk_files(files: list[Path], tokenizer: PreTrainedTokenizerBase, chunk_len
     return torch.stack(chunks)
 
 
+def first_chunks(
+    files: list[Path], tokenizer: PreTrainedTokenizerBase, chunk_len: int, count: int, files_per_batch: int
+) -> torch.Tensor:
+    """`chunk_files` over `files` in order, `files_per_batch` files at a time, stopping once at least `count`
+    chunks are in hand (all of them if the files run out): a sample of a large split without tokenizing all
+    of it."""
+    chunks = torch.empty(0, chunk_len, dtype=torch.long)
+    for start in range(0, len(files), files_per_batch):
+        chunks = torch.cat([chunks, chunk_files(files[start : start + files_per_batch], tokenizer, chunk_len)])
+        if len(chunks) >= count:
+            break
+    return chunks
+
+
 def load_chunks(directory: str | Path, tokenizer: PreTrainedTokenizerBase, chunk_len: int) -> torch.Tensor:
     """All chunks of the text files under `directory`; an error if there are none."""
     chunks = chunk_files(text_files(directory), tokenizer, chunk_len)

@@ -49,17 +49,12 @@ def public_draft_vocab(base: BaseModel, size: int, chunks: int = 256, chunk_len:
 
     Files are drawn in a seeded order and tokenized only until twice `chunks` chunks are in hand (the
     whole split took most of a small federation's start-up), and the chunks are drawn from those."""
-    from common.data import chunk_files, stdlib_files
+    from common.data import first_chunks, stdlib_files
     from common.features import base_features
 
     generator = torch.Generator().manual_seed(seed)
     files = stdlib_files("train")
-    order = torch.randperm(len(files), generator=generator).tolist()
-    pool = torch.empty(0, chunk_len, dtype=torch.long)
-    for start in range(0, len(files), PUBLIC_FILES_PER_BATCH):
-        batch = [files[i] for i in order[start : start + PUBLIC_FILES_PER_BATCH]]
-        pool = torch.cat([pool, chunk_files(batch, base.tokenizer, chunk_len)])
-        if len(pool) >= 2 * chunks:
-            break
+    shuffled = [files[i] for i in torch.randperm(len(files), generator=generator).tolist()]
+    pool = first_chunks(shuffled, base.tokenizer, chunk_len, 2 * chunks, PUBLIC_FILES_PER_BATCH)
     sample = pool[torch.randperm(len(pool), generator=generator)[:chunks]]
     return build_draft_vocab(base, base_features(base, sample), size)

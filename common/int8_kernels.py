@@ -142,20 +142,28 @@ def _saturating(shape: tuple[int, int], generator: torch.Generator) -> torch.Ten
     return values
 
 
-def largest_error(kernel: Int8Kernel, shapes: Iterable[tuple[int, int]]) -> int:
-    """The largest |difference| between the kernel's sums and exact int64 ones, over saturating operands
-    at each (out, in) shape and each of CHECK_ROWS (0: exact)."""
+def saturating_cases(shapes: Iterable[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(int8 weights, int8 rows, their exact int64 sums) with saturating operands, at each distinct (out, in)
+    shape and each of CHECK_ROWS: computed once, and every kernel is checked against them."""
     generator = torch.Generator().manual_seed(0)
-    worst = 0
+    cases = []
     for out_features, in_features in sorted(set(shapes)):
         weight = _saturating((out_features, in_features), generator)
-        packed = kernel.pack(weight)
         for rows in CHECK_ROWS:
             x = _saturating((rows, in_features), generator)
-            got = kernel.multiply(x, packed, torch.ones(out_features))
-            want = x.long() @ weight.long().t()
-            if not torch.equal(got, want.float()):
-                worst = max(worst, max(1, int((got.double() - want.double()).abs().max())))
+            cases.append((weight, x, x.long() @ weight.long().t()))
+    return cases
+
+
+def largest_error(kernel: Int8Kernel, cases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """The largest |difference| between the kernel's sums and the exact ones of `saturating_cases` (0: exact)."""
+    worst, packed, packed_weight = 0, None, None
+    for weight, x, want in cases:
+        if weight is not packed_weight:  # the cases of one shape share their weights: packed once
+            packed, packed_weight = kernel.pack(weight), weight
+        got = kernel.multiply(x, packed, torch.ones(len(weight)))
+        if not torch.equal(got, want.float()):
+            worst = max(worst, max(1, int((got.double() - want.double()).abs().max())))
     return worst
 
 
@@ -248,6 +256,11 @@ class KernelReport:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict) -> KernelReport:
+        """A cached report (its `in_use` is the loader's to set)."""
+        return cls(data["key"], data["errors"], data["product_ms"], data["one_token_ms"])
+
 
 def report_key(shapes: list[tuple[int, int]]) -> dict:
     """What the kernel choice depends on: the CPU, torch, threads and the (out, in) of every product a
@@ -274,7 +287,8 @@ def measure_kernels(
     row counts interleaved within each repeat and the fastest repeat kept, so that other work on the
     machine (it only ever adds time) burdens every kernel alike rather than deciding the choice."""
     shapes = [tuple(shape) for shape in key["shapes"]]
-    errors = {kernel.name: largest_error(kernel, shapes) for kernel in kernels if kernel.runs()}
+    cases = saturating_cases(shapes)
+    errors = {kernel.name: largest_error(kernel, cases) for kernel in kernels if kernel.runs()}
     timed = {kernel.name: passes(kernel, shapes) for kernel in kernels if errors.get(kernel.name) == 0}
     best = {name: dict.fromkeys(by_rows, math.inf) for name, by_rows in timed.items()}
     for repeat in range(TIMING_REPEATS + 1):  # repeat 0 warms up
@@ -300,8 +314,7 @@ def save_report(report: KernelReport) -> None:
 def cached_report(key: dict) -> KernelReport | None:
     """The report measured for this key, or None (none yet, damaged, or another key's)."""
     try:
-        data = json.loads(_report_path(key).read_text())
-        report = KernelReport(data["key"], data["errors"], data["product_ms"], data["one_token_ms"])
+        report = KernelReport.from_json(json.loads(_report_path(key).read_text()))
         if report.key == key and all(name in report.product_ms for name, e in report.errors.items() if e == 0):
             return report
     except (OSError, ValueError, KeyError, TypeError):
@@ -360,9 +373,8 @@ def cached_reports() -> list[KernelReport]:
     paths = sorted(calibration_dir().glob("int8-kernel-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in paths:
         try:
-            data = json.loads(path.read_text())
-            if data["key"]["cpu"] == cpu and data["key"]["torch"] == torch.__version__:
-                report = KernelReport(data["key"], data["errors"], data["product_ms"], data["one_token_ms"])
+            report = KernelReport.from_json(json.loads(path.read_text()))
+            if report.cpu == cpu and report.key["torch"] == torch.__version__:
                 reports.append(report)
         except (OSError, ValueError, KeyError, TypeError):
             continue

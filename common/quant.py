@@ -252,14 +252,12 @@ def product_shapes(model: nn.Module, calibration: Int8Calibration) -> list[tuple
     ]
 
 
-def quantize_base_int8(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, kernel: str | None = None
-) -> KernelReport:
+def quantize_base_int8(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str) -> KernelReport:
     """What `load_base(int8=True)` does: calibrate on public text (cached), pick the int8 kernel by
-    measurement on this CPU (cached; `kernel` or $FEDLA_INT8_KERNEL forces one), quantize in place.
-    Returns the kernel report, with the kernel in use."""
+    measurement on this CPU (cached; $FEDLA_INT8_KERNEL forces one), quantize in place. Returns the kernel
+    report, with the kernel in use."""
     calibration = public_int8_calibration(model, tokenizer, fingerprint)
-    report = kernel_in_use(kernel_report(model, product_shapes(model, calibration)), kernel)
+    report = kernel_in_use(kernel_report(model, product_shapes(model, calibration)))
     quantize_int8(model, calibration, KERNELS[report.in_use])
     record_one_token(report, model)
     return report
@@ -308,12 +306,7 @@ def trace_inputs(
 
 def public_calibration(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """The smoothing's calibration text: 16 chunks of 128 tokens of public code (stdlib training split)."""
-    from common.data import chunk_files, stdlib_files  # here: common.data imports common.base, which imports us
+    from common.data import first_chunks, stdlib_files  # here: common.data imports common.base, which imports us
 
     files = [f for f in stdlib_files("train") if f.stat().st_size > 4096]  # long enough: no skip warnings
-    chunks = torch.empty(0, CALIBRATION_CHUNK_LEN, dtype=torch.long)
-    for start in range(0, len(files), 16):  # tokenize only as many files as the chunks need
-        chunks = torch.cat([chunks, chunk_files(files[start : start + 16], tokenizer, CALIBRATION_CHUNK_LEN)])
-        if len(chunks) >= CALIBRATION_CHUNKS:
-            break
-    return chunks[:CALIBRATION_CHUNKS]
+    return first_chunks(files, tokenizer, CALIBRATION_CHUNK_LEN, CALIBRATION_CHUNKS, 16)[:CALIBRATION_CHUNKS]
