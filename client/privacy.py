@@ -46,6 +46,7 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
+from client.state import LEDGER_LOCK, StateLocked, state_lock
 from common.errors import FedLookaheadError
 from common.features import Features
 from common.fedconfig import MIN_CHUNK_LEN, FedConfig
@@ -148,11 +149,28 @@ def save_state(context: Context, path: Path | None, state: PrivacyState) -> None
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Atomically: a crash leaves the old or the new file, never half of one."""
+    """Atomically and durably: a crash or a power cut leaves the old or the new file, never half of one,
+    and once this returns the new one is on disk (a device's update leaves only after its ledger is)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, indent=1))
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)
+
+
+def _remove_stale_temporaries(state_dir: Path) -> None:
+    """Temporary ledger and marker files a killed writer left (called under the ledger lock, so no writer
+    is running)."""
+    for name in (LEDGER_FILE, TRAINED_MARKER):
+        for tmp in state_dir.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------- devices
@@ -167,6 +185,7 @@ MIN_CHUNK_LEN_KEY = "min-chunk-len"
 LEDGER_FILE = "privacy-ledger.json"
 TRAINED_MARKER = "trained-once"
 LEDGER_FORMAT = "fedla-privacy-ledger/1"
+LEDGER_WAIT_SECONDS = 600.0  # how long a round waits for another round (or a reset) to release the ledger
 
 
 @dataclass(frozen=True)
@@ -357,8 +376,8 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
     its past updates cost does not go away (the server and anyone who saw those updates keep them).
     The old ledger, when there is one, is kept beside it as privacy-ledger.json.reset-<time>, and the
     reset is recorded in the new one. Without `yes` nothing changes and FedLookaheadError says what
-    resetting means. Stop `fedla client` first: a round that finishes meanwhile writes the old ledger
-    back. Returns one line saying what was done.
+    resetting means. A round in progress holds the ledger lock: the reset waits for it to finish.
+    Returns one line saying what was done.
     """
     state_dir = state_dir.expanduser()
     path = state_dir / LEDGER_FILE
@@ -369,6 +388,15 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
         )
     if not state_dir.is_dir():
         raise FedLookaheadError(f"state folder not found: {state_dir}")
+    try:
+        with state_lock(state_dir, LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS):  # never under a running round
+            return _reset_ledger(state_dir, path)
+    except StateLocked as exc:
+        raise FedLookaheadError(f"cannot reset {path}: a round still holds it ({exc})") from None
+
+
+def _reset_ledger(state_dir: Path, path: Path) -> str:
+    _remove_stale_temporaries(state_dir)
     try:
         marker = _read_marker(state_dir)
     except LedgerError:
@@ -550,12 +578,22 @@ def device_round(
     A ledger that cannot be trusted declines the round, with the reason, and reports epsilon as
     unbounded (the device's spending is unknown).
     """
+    def declined(reason: str) -> RoundResult:
+        return RoundResult(None, math.inf, plan(config, len(features))[0], 0, 0.0, floor.delta, skipped=reason)
+
+    # Read, train and write under one lock: two rounds at once (two runs, or a second daemon) would
+    # otherwise both start from the same ledger and the last writer would erase the other's spending.
     try:
-        ledger = load_ledger(floor.state_dir)
-    except LedgerError as exc:
-        q, _ = plan(config, len(features))
-        return RoundResult(None, math.inf, q, 0, 0.0, floor.delta, skipped=str(exc))
-    result = train_round(heads, features, config, ledger.run(run_key), floor, ledger.history(excluding=run_key))
-    if not result.skipped:
-        save_ledger(ledger)
-    return result
+        with state_lock(floor.state_dir, LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS):
+            _remove_stale_temporaries(floor.state_dir)
+            try:
+                ledger = load_ledger(floor.state_dir)
+            except LedgerError as exc:
+                return declined(str(exc))
+            history = ledger.history(excluding=run_key)
+            result = train_round(heads, features, config, ledger.run(run_key), floor, history)
+            if not result.skipped:
+                save_ledger(ledger)  # durable before the update leaves (the reply is built after this returns)
+            return result
+    except StateLocked as exc:
+        return declined(f"privacy ledger busy for {LEDGER_WAIT_SECONDS:g}s: {exc}")

@@ -15,6 +15,8 @@ Layout of the state dir (node config `state-dir`; the daemon's default is <cache
     chunks/                     the device's private files, tokenised (client.task; private text)
     features/                   the base's features of those chunks (common.features; private)
     node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
+    daemon.lock                 held by the one `fedla client` running on this folder (holds its pid)
+    ledger.lock                 held by a round from reading the ledger to writing it (and by a reset)
 
 `fedla client status` reads this folder (client.status); `fedla client forget` deletes chunks/ and
 features/ but never the ledger and its marker.
@@ -29,6 +31,8 @@ fail a federated round.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,8 +40,9 @@ import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from common.protocol import ROUND_KEY, RUN_KEY, VERSION
 
@@ -48,6 +53,43 @@ HEADS_DIR_KEY = "heads-dir"
 EVENTS_FILE = "events.jsonl"
 HEADS_META = "fedla_heads.json"
 KEEP_VERSIONS = 3  # versioned head folders kept in the state dir (the newest ones)
+DAEMON_LOCK = "daemon.lock"
+LEDGER_LOCK = "ledger.lock"
+
+
+class StateLocked(OSError):
+    """Another process holds a lock on this state folder."""
+
+
+@contextmanager
+def state_lock(state: Path, name: str, wait_seconds: float = 0.0) -> Iterator[None]:
+    """Hold the exclusive lock `name` in `state` for the block (flock: the kernel frees it when the holder
+    dies, so a SIGKILL never leaves a stale lock). Waits up to `wait_seconds`, then raises StateLocked
+    naming the holder's pid."""
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / name
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() >= deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise StateLocked(errno.EAGAIN, f"{path} is held by process {holder}") from None
+                time.sleep(0.1)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing the descriptor releases the lock
 
 
 def default_state_dir() -> Path:

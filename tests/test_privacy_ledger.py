@@ -177,3 +177,65 @@ def test_simulated_clients_keep_the_run_config(tiny_base, tiny_base_dir):
     )
     metrics = _train(context, DraftHeads.fresh(tiny_base, 2), "sim")
     assert metrics["dp"] == 0 and metrics["epsilon"] == float("inf") and metrics["skipped"] == 0
+
+
+def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base, tiny_base_dir, tmp_path, monkeypatch):
+    """Issue 29 item 1: two concurrent rounds (runs A and B) both read the ledger before either wrote it, and
+    the ledger kept only B's steps (6 recorded where 9 were spent). The round now holds the ledger lock from
+    reading to writing, so the second waits for the first and composes on top of it."""
+    import threading
+    import time
+
+    import client.privacy as privacy
+
+    real_train_round = privacy.train_round
+
+    def slow_train_round(*args, **kwargs):
+        result = real_train_round(*args, **kwargs)
+        time.sleep(0.5)  # both rounds would be past their ledger read by now without the lock
+        return result
+
+    monkeypatch.setattr(privacy, "train_round", slow_train_round)
+    state = tmp_path / "state"
+    results: dict[str, dict] = {}
+
+    def round_of(run_key: str) -> None:
+        results[run_key] = _train(_device(tiny_base_dir, state), DraftHeads.fresh(tiny_base, 2), run_key)
+
+    threads = [threading.Thread(target=round_of, args=(key,)) for key in ("run-a", "run-b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(m["skipped"] == 0 for m in results.values())
+    ledger = load_ledger(state)
+    assert sorted(ledger.runs) == ["run-a", "run-b"]
+    assert ledger.steps == sum(m["steps"] for m in results.values())
+    # whichever went second reports the lifetime epsilon of both
+    assert max(m["epsilon"] for m in results.values()) == pytest.approx(epsilon_of(ledger.history(), 1e-5))
+
+
+def test_a_killed_writers_temporary_ledger_is_cleaned_up(tiny_base, tiny_base_dir, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    stale = [state / f".{LEDGER_FILE}.99999.tmp", state / f".{TRAINED_MARKER}.99999.tmp"]
+    for path in stale:
+        path.write_text('{"half": ')
+    assert _train(_device(tiny_base_dir, state), DraftHeads.fresh(tiny_base, 2), "run-a")["skipped"] == 0
+    assert not any(path.exists() for path in stale)
+    assert load_ledger(state).steps > 0
+
+
+def test_a_second_daemon_on_the_same_state_folder_is_refused(tiny_base_dir, tmp_path):
+    """Issue 29 item 1: a second `fedla client` on one --state-dir started without complaint."""
+    from client.daemon import ClientDaemon
+    from client.state import DAEMON_LOCK, state_lock
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
+    state = tmp_path / "state"
+    opts = DaemonOptions(superlink="127.0.0.1:9092", data=data, base=tiny_base_dir, device="cpu", state_dir=state)
+    with state_lock(state, DAEMON_LOCK):  # what the first daemon holds while it runs
+        with pytest.raises(DaemonError, match=r"another fedla client is running on state folder .*process \d+"):
+            ClientDaemon(opts, emit=lambda line: None).run()

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +41,7 @@ from client.daemon.options import (
 from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
-from client.state import EVENTS_FILE, default_state_dir
+from client.state import DAEMON_LOCK, EVENTS_FILE, StateLocked, default_state_dir, state_lock
 from common.base import Loading
 from common.errors import FedLookaheadError
 from common.procs import flower_env, free_port
@@ -176,9 +177,20 @@ class ClientDaemon:
 
     def run(self) -> int:
         """Run until stopped (returns 0) or a final error (raises DaemonError)."""
-        opts = self.opts
-        info = preflight(opts)
+        info = preflight(self.opts)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        with ExitStack() as held:
+            try:  # one daemon per state folder: two would share one privacy ledger and one node identity
+                held.enter_context(state_lock(self.state_dir, DAEMON_LOCK))
+            except StateLocked as exc:
+                raise DaemonError(
+                    f"another fedla client is running on state folder {self.state_dir} ({exc}): "
+                    "stop it first, or give this one its own --state-dir"
+                ) from None
+            return self._serve(info)
+
+    def _serve(self, info: dict) -> int:
+        opts = self.opts
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self._write_status("preparing")
         values = self._prepare()
