@@ -578,6 +578,7 @@ def device_round(
     A ledger that cannot be trusted declines the round, with the reason, and reports epsilon as
     unbounded (the device's spending is unknown).
     """
+
     def declined(reason: str) -> RoundResult:
         return RoundResult(None, math.inf, plan(config, len(features))[0], 0, 0.0, floor.delta, skipped=reason)
 

@@ -457,6 +457,60 @@ class RoundRecord:
             "eval_push_per_client": self.eval_push_bytes_per_client,
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoundRecord:
+        """The record `to_json` wrote (an epsilon of null is unbounded again); ReplyError when it is not one."""
+
+        def unbounded(value: Any) -> Any:
+            return math.inf if value is None else value
+
+        try:
+            metrics, train, part, privacy = data["metrics"], data["train"], data["participation"], data["privacy"]
+            seconds, traffic = data["seconds"], data["bytes"]
+            return cls(
+                round=data["round"],
+                head_version=data["head_version"],
+                aggregated=bool(data["aggregated"]),
+                aggregate_note=str(data["aggregate_note"]),
+                train_loss=metrics["train_loss"],
+                head_accuracy=metrics["head_accuracy"],
+                tau=metrics["tau"],
+                client_head_accuracy=metrics["client_head_accuracy"],
+                client_tau=metrics["client_tau"],
+                loss_source=str(train["loss_source"]),
+                train_head_accuracy=train["head_accuracy"],
+                server_eval_loss=train["server_eval_loss"],
+                tau_heads_only=data["tau_heads_only"],
+                sampled=part["sampled"],
+                succeeded=part["succeeded"],
+                dropped=part["dropped"],
+                rejected=tuple(part["rejected"]),
+                failures=dict(part["failures"]),
+                induced_failures=tuple(part["induced_failures"]),
+                skipped_budget=dict(part["skipped_budget"]),
+                weights=dict(part["weights"]),
+                capped_weights=dict(part["capped_weights"]),
+                client_eval=dict(data["client_eval"]),
+                epsilon_max=unbounded(privacy["epsilon_max"]),
+                epsilon_mean=unbounded(privacy["epsilon_mean"]),
+                delta=privacy["delta"],
+                target_epsilon=privacy["target_epsilon"],
+                epsilon_this_round={k: unbounded(v) for k, v in privacy["epsilon_this_round"].items()},
+                noise_multiplier=tuple(privacy["noise_multiplier"]),
+                q=tuple(privacy["q"]),
+                no_amplification_clients=privacy["no_amplification_clients"],
+                bytes_down_per_client=traffic["down_per_client"],
+                bytes_up_per_client=traffic["up_per_client"],
+                eval_push_bytes_per_client=traffic["eval_push_per_client"],
+                wall_seconds=data["wall_seconds"],
+                fit_seconds=seconds["fit"],
+                server_eval_seconds=seconds["server_eval"],
+                client_eval_seconds=seconds["client_eval"],
+                client_train_seconds=seconds["client_train_sum"],
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            _fail(f"not a round record ({type(exc).__name__}: {exc})")
+
     def to_json(self) -> dict[str, Any]:
         """The rounds/round-N.json layout (strict JSON: an unbounded epsilon is null)."""
         return finite_or_none(

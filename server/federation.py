@@ -157,6 +157,8 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
     recorder.start(config)
     stop = None
     try:
+        if start_round > 1:  # a crash may have left the store ahead of or behind the checkpoints
+            recorder.reconcile(start_round - 1)
         nodes = wait_for_nodes(grid, config)
         plan = check_federation(config, len(nodes))
         if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)

@@ -1,9 +1,14 @@
 """Where a run's records go: each `RoundRecord` is written once, here, to every place that keeps it.
 
-Per round: the checkpoint (`checkpoints/round-N/`, written atomically, and its row in the run store), `rounds/round-N.json`
-(the whole record), the store's round row (what the dashboard reads) and `summary.json` (written from
-the store, so it and the dashboard never disagree). At the end: the run's status and the plot (drawn
-from summary.json).
+Per round, in this order: `rounds/round-N.json` (the whole record, atomically), the store's round row
+(what the dashboard reads), the checkpoint (`checkpoints/round-N/`, atomically) and its store row, and
+`summary.json` (written from the store, so it and the dashboard never disagree). At the end: the run's
+status and the plot (drawn from summary.json).
+
+The order makes a crash recoverable: a checkpoint, which a resumed run starts from, exists only once its
+round is recorded. `reconcile` (called on resume) puts the store back in line with the checkpoints: rows
+of rounds after the resumed checkpoint are dropped (they are redone), and a checkpoint missing its rows
+gets them from its files and its rounds/round-N.json.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def save_checkpoint(heads: DraftHeads, folder: Path) -> Path:
     return folder
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """`path.write_text(text)` through a temporary file and a rename: a crash leaves the old file or the new."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -94,18 +106,9 @@ class Recorder:
 
     def record(self, record: RoundRecord, heads: DraftHeads) -> None:
         """The round's checkpoint, round file, store row and summary, and its one log line."""
-        ckpt_dir = save_checkpoint(heads, self.run_dir / "checkpoints" / f"round-{record.round}")
-        size = sum(p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file())
-        self.store.record_checkpoint(
-            self.run_id,
-            record.round,
-            head_version=heads.config.version,
-            path=str(ckpt_dir),
-            size_bytes=size,
-            sha256=file_sha256(ckpt_dir / WEIGHTS_FILE),
-        )
-        (self.run_dir / "rounds" / f"round-{record.round}.json").write_text(json.dumps(record.to_json(), indent=2))
+        write_atomically(self._round_file(record.round), json.dumps(record.to_json(), indent=2))
         self.store.record_round(self.run_id, record)
+        self._record_checkpoint(record.round, save_checkpoint(heads, self._checkpoint_dir(record.round)))
         self.store.write_summary(self.run_id, self.run_dir / "summary.json")
         log.info(
             "round %d: %s",
@@ -123,6 +126,47 @@ class Recorder:
                 )
             ),
         )
+
+    def _round_file(self, server_round: int) -> Path:
+        return self.run_dir / "rounds" / f"round-{server_round}.json"
+
+    def _checkpoint_dir(self, server_round: int) -> Path:
+        return self.run_dir / "checkpoints" / f"round-{server_round}"
+
+    def _record_checkpoint(self, server_round: int, folder: Path) -> None:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        self.store.record_checkpoint(
+            self.run_id,
+            server_round,
+            head_version=int(config.get("version", 0)),
+            path=str(folder),
+            size_bytes=sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),
+            sha256=file_sha256(folder / WEIGHTS_FILE),
+        )
+
+    def reconcile(self, resumed_round: int) -> None:
+        """Before a run resumes after `resumed_round`'s checkpoint: the store says what the checkpoints say."""
+        forgotten = self.store.forget_rounds_after(self.run_id, resumed_round)
+        if forgotten:
+            log.warning("resume: rounds %s had no checkpoint and are redone", forgotten)
+        recorded_rounds = {r["round"] for r in self.store.get_rounds(self.run_id)}
+        recorded_checkpoints = {c["round"] for c in self.store.checkpoints(self.run_id)}
+        for server_round, folder in sorted(checkpoints_newest_first(self.run_dir)):
+            if server_round > resumed_round:
+                continue
+            if server_round not in recorded_rounds:
+                try:
+                    record = RoundRecord.from_json(json.loads(self._round_file(server_round).read_text()))
+                except (OSError, ValueError) as exc:
+                    log.warning("resume: round %d's record is lost (%s)", server_round, exc)
+                else:
+                    self.store.record_round(self.run_id, record)
+                    log.info(
+                        "resume: round %d's store row restored from %s", server_round, self._round_file(server_round)
+                    )
+            if server_round not in recorded_checkpoints:
+                self._record_checkpoint(server_round, folder)
+        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
 
     def finish(self, status: str) -> None:
         """The run's final status and summary; a finished run also gets its plot."""

@@ -584,6 +584,21 @@ class RunStore:
             row.sha256, row.created_at = sha256.lower(), now
             run.updated_at = now
 
+    def forget_rounds_after(self, run_id: str, round: int) -> list[int]:
+        """Delete the round and checkpoint rows after `round` (a resumed run redoes those rounds from round
+        `round`'s checkpoint); returns the rounds whose rows were deleted."""
+        run_id = _run_id(run_id)
+        round = integer(round, "round")
+        with self._session.begin() as session:
+            rows = session.scalars(select(Round).where(Round.run_id == run_id, Round.round > round)).all()
+            checkpoints = session.scalars(
+                select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round > round)
+            ).all()
+            forgotten = sorted({row.round for row in rows} | {row.round for row in checkpoints})
+            for row in [*rows, *checkpoints]:
+                session.delete(row)
+        return forgotten
+
     def finish_run(self, run_id: str, status: str) -> None:
         if status not in FINAL_STATUSES:
             _fail(f"status must be one of {FINAL_STATUSES}, got {status!r}")

@@ -340,6 +340,63 @@ def test_resume_skips_a_half_written_checkpoint_and_a_run_it_cannot_resume_is_ma
         assert store.get_run("crashy")["status"] == "failed"
 
 
+class Killed(BaseException):
+    """Stands for a SIGKILL of the server at a chosen write (nothing after it runs, not even the run's failure)."""
+
+
+@pytest.mark.parametrize("dies_in", ["save_checkpoint", "record_checkpoint", "record_round"])
+def test_a_server_killed_between_a_rounds_writes_loses_no_round(run_config, tmp_path, monkeypatch, dies_in):
+    """Issue 29 item 8: killed after round 2's checkpoint but before its store row, the store, summary.json and
+    the dashboard showed rounds [1, 3, 4] after resume. Now a checkpoint exists only once its round is recorded,
+    and resume reconciles the store with the checkpoints, wherever the server died in round 2's writes."""
+    import server.recorder as recorder_module
+    from server.recorder import Recorder
+    from server.store import RunStore
+
+    config = dict(run_config, **{"num-server-rounds": 4, "run-id": "killed", "fraction-evaluate": 0.0, "dp": False})
+    target = recorder_module if dies_in == "save_checkpoint" else RunStore
+    real = getattr(target, dies_in)
+
+    def dies_at_round_2(*args, **kwargs):
+        if dies_in == "save_checkpoint" and args[1].name == "round-2":
+            raise Killed
+        if dies_in != "save_checkpoint" and getattr(args[2], "round", args[2]) == 2:  # a RoundRecord or a round
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, dies_in, dies_at_round_2)
+    monkeypatch.setattr(Recorder, "finish", lambda self, status: None)  # a killed server marks nothing
+    with pytest.raises(Killed):
+        run(config, recording_app({}))
+    monkeypatch.undo()
+    run_dir = Path(config["run-dir"]) / "killed"
+    _, summary, _ = run(dict(config, **{"resume-from": str(run_dir)}), recording_app({}))
+    assert [r["round"] for r in summary["rounds"]] == [1, 2, 3, 4]
+    assert [c["round"] for c in summary["checkpoints"]] == [1, 2, 3, 4]
+    assert [c["head_version"] for c in summary["checkpoints"]] == [1, 2, 3, 4]
+    with RunStore(str(Path(config["run-dir"]) / "fedla.db"), read_only=True) as store:
+        assert [r["round"] for r in store.get_rounds("killed")] == [1, 2, 3, 4]
+        assert store.get_run("killed")["status"] == "finished"
+
+
+def test_resume_restores_a_round_row_an_older_server_lost(run_config, tmp_path):
+    """The order of the writes used to be checkpoint first: a run killed then has a checkpoint and a round file
+    but no store row. Resume puts the row back from rounds/round-N.json."""
+    from server.store import RunStore
+
+    config = dict(run_config, **{"num-server-rounds": 2, "run-id": "old-order", "fraction-evaluate": 0.0, "dp": False})
+    run_dir, summary, _ = run(config, recording_app({}))
+    before = summary["rounds"][1]
+    with RunStore(str(Path(config["run-dir"]) / "fedla.db")) as store:
+        assert store.forget_rounds_after("old-order", 1) == [2]  # as the old order's crash left it
+    _, summary, _ = run(dict(config, **{"num-server-rounds": 3, "resume-from": str(run_dir)}), recording_app({}))
+    assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
+    restored = summary["rounds"][1]
+    assert {k: v for k, v in restored.items() if k != "recorded_at"} == {
+        k: v for k, v in before.items() if k != "recorded_at"
+    }
+
+
 def test_a_dp_resume_without_the_clients_accountants_trains_nothing(run_config, tmp_path):
     """Issue 29: resumed without client-state-dir, simulated clients started their accountants afresh and the
     run reported epsilon 5.95 where 7.99 was spent. Now each refuses to train, saying why."""
