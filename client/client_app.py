@@ -10,6 +10,14 @@ The mod is applied only to SecAgg+ stage messages, so the same handler also serv
 
 Evaluate messages are native: an ArrayRecord of named head tensors plus a ConfigRecord, answered
 with a MetricRecord.
+
+What a device (node config `state-dir`) tells the server is its own floor's rule, not the run's
+(docs/deploy.md, "What a device reveals"): its update (DP-SGD, charged to its ledger; under SecAgg+
+only inside the sum), its privacy spending (epsilon, delta, sigma, whether it skipped), and nothing
+else about its data. Its training loss and accuracy, chunk count, sampling rate, steps and seconds stay
+in its own event log; its plaintext weight is the cap whatever its chunk count (under SecAgg+ the true
+weight stays inside the masked vector); and it answers evaluation with nothing measured on its private
+data (it evaluates for its own log only). Simulated clients report everything: the run is theirs.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ if TYPE_CHECKING:
     from common.fedconfig import FedConfig
 
 
+# the train metrics a device sends: its privacy spending, none of its data's statistics
+DEVICE_TRAIN_METRICS = (P.SKIPPED, P.SKIP_REASON, P.EPSILON, P.DELTA, P.DP, P.NOISE_MULTIPLIER)
+
+
 class SimulatedDropout(RuntimeError):
     """Raised on purpose in the dropout scenario: the client vanishes after SecAgg+ key setup."""
 
@@ -49,16 +61,48 @@ def secaggplus_when_needed(msg: Message, context: Context, call_next):
 
 
 def fixedclipping_when_asked(msg: Message, context: Context, call_next):
-    """Flower's `fixedclipping_mod` (user-level DP, server/user_dp.py) when the server sent a clipping
-    norm; inside SecAgg+, so the update is clipped before it is masked (issue 12)."""
+    """Flower's `fixedclipping_mod` when the server sent a clipping norm (every FedLookahead round does: the
+    update bound, server/guard.py, which is also the dp-level=user clip); inside SecAgg+, so the update is
+    clipped before it is masked."""
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
     if (
-        msg.metadata.message_type == MessageType.TRAIN
-        and KEY_CLIPPING_NORM in compat.recorddict_to_fitins(msg.content, keep_input=True).config
+        msg.metadata.message_type != MessageType.TRAIN
+        or KEY_CLIPPING_NORM not in compat.recorddict_to_fitins(msg.content, keep_input=True).config
     ):
-        return fixedclipping_mod(msg, context, call_next)
-    return call_next(msg, context)
+        return call_next(msg, context)
+
+    def train_unless_skipped(inner_msg: Message, inner_context: Context) -> Message:
+        reply = call_next(inner_msg, inner_context)
+        if not reply.has_error() and reply.content.config_records[P.FITRES_METRICS].get(P.SKIPPED):
+            raise _NothingToClip(reply)  # its update is zero, which Flower's clip would divide by
+        return reply
+
+    try:
+        return fixedclipping_mod(msg, context, train_unless_skipped)
+    except _NothingToClip as unchanged:
+        return unchanged.reply
+
+
+class _NothingToClip(Exception):
+    def __init__(self, reply: Message) -> None:
+        super().__init__("a skipped round sends the heads it was sent")
+        self.reply = reply
+
+
+def device_weight_hidden(msg: Message, context: Context, call_next):
+    """A device's plaintext weight is the weight cap, whatever its chunk count: in plain FedAvg every device
+    weighs the same, and under SecAgg+ (this mod runs outside `secaggplus_mod`) its true weight stays inside
+    the masked vector, where the server sees only the sum."""
+    from common.fedconfig import FedConfig
+
+    reply = call_next(msg, context)
+    if device_state.state_dir_of(context.node_config) is None or not reply.has_content():
+        return reply
+    counts = reply.content.metric_records.get(P.FITRES_NUM_EXAMPLES)
+    if counts is not None and int(counts.get("num_examples", 0)) > 0:
+        counts["num_examples"] = FedConfig.from_mapping(context.run_config, context.node_config).weight_cap
+    return reply
 
 
 def client_config(context: Context) -> FedConfig:
@@ -136,14 +180,16 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     weight = 0 if result.skipped else min(len(data.train), config.weight_cap)
     if user_level:  # every client weighs the same: one client moves the mean by at most clip / n
         weight = config.weight_cap
-    device_state.train_finished(context, fit_config, metrics, weight)
+    device_state.train_finished(context, fit_config, metrics, weight)  # the whole story stays on the device
+    if floor is not None:
+        metrics = {key: metrics[key] for key in DEVICE_TRAIN_METRICS}
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
 
 
 app = ClientApp()
 
 
-@app.train(mods=[secaggplus_when_needed, fixedclipping_when_asked])
+@app.train(mods=[device_weight_hidden, secaggplus_when_needed, fixedclipping_when_asked])
 def train(msg: Message, context: Context) -> Message:
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
@@ -163,7 +209,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     device_state.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
     data = client_data(config, base, dict(context.node_config))
     started = time.perf_counter()
-    metrics: dict = {"num-examples": int(len(data.heldout))}
+    metrics: dict = {P.NUM_EXAMPLES: int(len(data.heldout))}
     if len(data.heldout):
         summary = evaluate_heads(
             heads, client_features(config, base, data.heldout, dict(context.node_config)), batch_size=config.batch_size
@@ -185,4 +231,6 @@ def evaluate(msg: Message, context: Context) -> Message:
             metrics["tau"] = tau
     metrics["eval-seconds"] = time.perf_counter() - started
     device_state.evaluated(context, msg.content[HEADS_CONFIG_RECORD], metrics)
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    if device_state.state_dir_of(context.node_config) is not None:  # a device: measured for its own log only
+        metrics = {P.NUM_EXAMPLES: 0, P.WITHHELD: 1}
+    return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)

@@ -63,9 +63,6 @@ class FedConfig:
         "example",
         "example: Opacus DP-SGD per chunk on each client | user: clipped client updates + server noise (fl-dp-sa)",
     )
-    dp_user_clip: float = _knob(
-        0.1, "dp-level=user: L2 bound of one client's update per round (Flower's fixedclipping_mod)"
-    )
     dp_trainable: str = _knob(
         "all",
         "head parameters trained on clients: all | fusion | blocks | lowrank (fewer coordinates under noise); "
@@ -87,6 +84,11 @@ class FedConfig:
     secagg_clipping_range: float = _knob(8.0, "head weights must stay within +-this (checked by clients and server)")
     secagg_quantization_range: int = _knob(4194304, "SecAgg+ quantisation levels")
     secagg_max_weight: float = _knob(1000.0, "client weights (train chunks) are capped at this")
+    update_max_norm: float = _knob(
+        0.0,
+        "L2 bound of one client's update per round (clipped by clients, checked by the server in plain rounds; "
+        "the dp-level=user clip); 0: the most an honest AdamW client moves the heads in a round",
+    )
 
     # data
     partitioning: str = _knob("iid", "iid | dirichlet | package (whole top-level packages per client)")
@@ -152,6 +154,18 @@ class FedConfig:
             cap = min(cap, self.max_chunks_per_client)
         return max(1, cap)
 
+    def update_bound(self, num_parameters: int) -> float:
+        """The L2 bound of one client's update (its new heads minus the heads it was sent) in one round:
+        update-max-norm, else the most an honest client can move `num_parameters` weights. AdamW moves each
+        weight by at most lr * (1 - beta1) / sqrt(1 - beta2) per step (Kingma & Ba 2015, section 2.1: 3.16 lr
+        for torch's betas) plus its weight decay (0.01 lr |w|, |w| <= secagg-clipping-range), over at most
+        local-epochs * ceil(weight-cap / batch-size) steps."""
+        if self.update_max_norm > 0:
+            return self.update_max_norm
+        per_step = self.lr * ((1 - 0.9) / math.sqrt(1 - 0.999) + 0.01 * self.secagg_clipping_range)
+        steps = self.local_epochs * math.ceil(self.weight_cap / self.batch_size)
+        return per_step * steps * math.sqrt(max(1, num_parameters))
+
     def validate(self) -> None:
         positive = {
             "num-server-rounds": self.num_server_rounds,
@@ -196,8 +210,13 @@ class FedConfig:
         ):
             if value not in allowed:
                 raise FedLookaheadError(f"unknown {key} {value!r}: use one of {allowed}")
-        if self.dp and self.dp_level == "user" and not self.dp_user_clip > 0:
-            raise FedLookaheadError(f"dp-user-clip must be positive, got {self.dp_user_clip}")
+        if not (math.isfinite(self.update_max_norm) and self.update_max_norm >= 0):
+            raise FedLookaheadError(f"update-max-norm must be a finite number >= 0, got {self.update_max_norm}")
+        if self.dp and self.dp_level == "user" and not self.update_max_norm > 0:
+            raise FedLookaheadError(
+                "dp-level=user needs update-max-norm > 0: it is the clip the server's noise is calibrated to "
+                "(docs/privacy_utility.json used 0.1)"
+            )
         if not self.server_lr > 0 or not 0 <= self.server_momentum < 1:
             raise FedLookaheadError("server-lr must be positive and server-momentum in [0, 1)")
         if self.partitioning not in PARTITIONINGS:

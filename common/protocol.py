@@ -67,6 +67,7 @@ NUM_EXAMPLES = "num-examples"
 HEAD_ACCURACY = "head-accuracy"
 TAU = "tau"
 EVAL_SECONDS = "eval-seconds"
+WITHHELD = "withheld"  # 1: a device that reveals no evaluation of its private data (client/client_app.py)
 
 MAX_REASON = 300  # characters of a client-given skip reason that are kept
 
@@ -265,6 +266,7 @@ class EvalReply:
     head_accuracy: tuple[float, ...] = ()
     tau: float | None = None
     eval_seconds: float = 0.0
+    withheld: bool = False  # a device that reveals nothing measured on its data
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Any], num_heads: int | None = None) -> EvalReply:
@@ -272,6 +274,9 @@ class EvalReply:
         if NUM_EXAMPLES not in metrics:
             _fail(f"evaluation reply has no {NUM_EXAMPLES}")
         count = integer(metrics[NUM_EXAMPLES], NUM_EXAMPLES)
+        withheld = flag(metrics.get(WITHHELD, 0), WITHHELD)
+        if withheld and (count or set(metrics) - {NUM_EXAMPLES, WITHHELD}):
+            _fail("a withheld evaluation reply carries measurements")
         raw = metrics.get(HEAD_ACCURACY)
         accuracy: tuple[float, ...] = ()
         if raw is not None:
@@ -290,6 +295,7 @@ class EvalReply:
             head_accuracy=accuracy,
             tau=tau,
             eval_seconds=number(metrics.get(EVAL_SECONDS, 0.0), EVAL_SECONDS),
+            withheld=withheld,
         )
 
     @classmethod
@@ -389,6 +395,7 @@ class RoundRecord:
     server_eval_seconds: float | None = None
     client_eval_seconds: float | None = None
     client_train_seconds: float | None = None  # the clients' training time, summed
+    update_norm: dict[str, Any] = field(default_factory=dict)  # {"bound", "checked", "median", "max"}
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # frozen: store the checked (plain Python) value
@@ -507,6 +514,7 @@ class RoundRecord:
                 server_eval_seconds=seconds["server_eval"],
                 client_eval_seconds=seconds["client_eval"],
                 client_train_seconds=seconds["client_train_sum"],
+                update_norm=dict(data.get("update_norm", {})),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             _fail(f"not a round record ({type(exc).__name__}: {exc})")
@@ -560,5 +568,6 @@ class RoundRecord:
                 "bytes": self.bytes,
                 "wall_seconds": self.wall_seconds,
                 "seconds": self.seconds,
+                "update_norm": dict(self.update_norm),
             }
         )

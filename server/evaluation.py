@@ -111,7 +111,7 @@ def client_evaluation(
     accuracy_sum = np.zeros(heads.num_heads)
     examples = 0
     taus: list[float] = []
-    rejected, failed = [], 0
+    rejected, failed, withheld = [], 0, 0
     cap = config.weight_cap
     for reply in replies:
         if reply.has_error():
@@ -123,6 +123,7 @@ def client_evaluation(
             rejected.append(str(exc))
             log.warning("rejected evaluation reply of node %s: %s", reply.metadata.src_node_id, exc)
             continue
+        withheld += int(result.withheld)
         weight = min(result.num_examples, cap)  # the same cap as training weights
         if weight and result.head_accuracy:
             accuracy_sum += np.asarray(result.head_accuracy) * weight
@@ -134,6 +135,7 @@ def client_evaluation(
         "pushed_to": len(targets),
         "failed": failed + (len(targets) - len(replies)),
         "rejected": rejected,
+        "withheld": withheld,  # devices that reveal no evaluation of their private data
         "head_accuracy": (accuracy_sum / examples).tolist() if examples else None,
         "tau": sum(taus) / len(taus) if taus else None,
         "push_bytes_per_client": push_bytes,

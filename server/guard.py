@@ -23,16 +23,25 @@ secure mean than any cap allows; nor can the server see NaN, Inf or out-of-range
 update before unmasking. What is checked is the masked vector's structure, the plaintext metrics, and
 the unmasked aggregate (finite and within the clipping range, server/rounds.py) before it becomes the
 global heads.
+
+Update norms: every train message carries the round's L2 bound (`FedConfig.update_bound`, Flower's
+clipping-norm key), and honest clients clip their update (new heads minus the heads sent) to it with
+Flower's `fixedclipping_mod`. In plain FedAvg the server checks it: a reply farther than the bound from
+the heads it was sent is refused and named. Under SecAgg+ the server cannot: a masked update's norm is
+hidden, so one hostile client can move the secure mean by up to its weight share times the clipping
+range per element; only the aggregate's range is checked after unmasking.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import flwr.compat.common.recorddict_compat as compat
+import numpy as np
 from flwr.app import ArrayRecord, Error, Message, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common import Code, bytes_to_ndarray, parameters_to_ndarrays
@@ -71,6 +80,7 @@ class ExchangeLog:
     aggregated: bool = False
     aggregate_note: str = ""
     induced_failures: list[int] = field(default_factory=list)
+    update_norms: dict[int, float] = field(default_factory=dict)  # node -> L2 distance of its plain update
 
 
 def array_record_bytes(record: ArrayRecord) -> int:
@@ -106,6 +116,7 @@ class GuardedGrid(Grid):
         shapes: list[tuple[str, tuple[int, ...]]],
         num_heads: int | None,
         default_timeout: float | None,
+        current: list[np.ndarray] | None = None,
     ) -> None:
         self._grid = grid
         self._config = config
@@ -113,6 +124,8 @@ class GuardedGrid(Grid):
         self.shapes = shapes
         self.num_heads = num_heads
         self.default_timeout = default_timeout
+        self.current = current  # the heads this round sent: a plain update farther than the bound is refused
+        self.update_bound = config.update_bound(sum(math.prod(shape) for _, shape in shapes))
 
     # -- delegation
     def set_run(self, run: Run) -> None:
@@ -243,7 +256,21 @@ class GuardedGrid(Grid):
             reason = validate_update(arrays, self.shapes, self._config.secagg_clipping_range)
             if reason:
                 raise ReplyError(reason)
+            if self.current is not None and not reply.skipped:
+                distance = update_distance(arrays, self.current)
+                if distance > self.update_bound * (1 + 1e-6):
+                    raise ReplyError(
+                        f"update norm {distance:.4g} above the bound {self.update_bound:.4g} (update-max-norm)"
+                    )
+                self.exchange.update_norms[node] = distance
         self.exchange.checked[node] = reply
+
+
+def update_distance(arrays: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    """The L2 norm of `arrays - reference` over every tensor (the norm Flower's fixedclipping_mod clips)."""
+    return math.sqrt(
+        sum(float(np.sum((a.astype(np.float64) - r.astype(np.float64)) ** 2)) for a, r in zip(arrays, reference))
+    )
 
 
 def short_reason(reason: str, limit: int = 300) -> str:

@@ -31,6 +31,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from common.base import BaseModel
 from common.errors import FedLookaheadError
@@ -76,6 +77,7 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
         expected_shapes(heads),
         heads.num_heads,
         default_timeout=config.round_timeout or None,
+        current=heads_to_ndarrays(heads),
     )
     _fit(ctx, guarded, heads, server_round)
     fit_seconds = time.perf_counter() - started
@@ -205,8 +207,10 @@ class HeadsStrategy(Strategy):
             failing = {c.node_id for c in self.rng.sample(clients, count)}
             log_.induced_failures = sorted(failing)
         instructions = []
+        bound = self.config.update_bound(sum(math.prod(shape) for _, shape in self.shapes))
         for client in clients:
-            config = dict(self.fit_config, **{ROUND_KEY: server_round})
+            # honest clients clip their update to the bound (Flower's fixedclipping_mod, client/client_app.py)
+            config = dict(self.fit_config, **{ROUND_KEY: server_round, KEY_CLIPPING_NORM: bound})
             if client.node_id in failing:
                 config[FAIL_KEY] = True
             instructions.append((client, FitIns(parameters, config)))
@@ -358,7 +362,7 @@ def _round_record(
         target_epsilon=config.dp_target_epsilon if config.dp else None,
         epsilon_this_round={str(n): r.epsilon for n, r in replies.items() if r.epsilon is not None},
         noise_multiplier=tuple(sorted({r.noise_multiplier for r in replies.values()})),
-        q=tuple(sorted({r.q for r in replies.values()})),
+        q=tuple(sorted({r.q for r in replies.values() if r.q > 0})),  # devices do not say theirs
         no_amplification_clients=sum(int(r.no_amplification) for r in replies.values()),
         bytes_down_per_client=bytes_down,
         bytes_up_per_client=bytes_up,
@@ -368,4 +372,15 @@ def _round_record(
         server_eval_seconds=server_eval_seconds,
         client_eval_seconds=client_eval_seconds,
         client_train_seconds=sum(r.train_seconds for r in replies.values()),
+        update_norm=_update_norm_summary(exchange, config, heads),
     )
+
+
+def _update_norm_summary(exchange: ExchangeLog, config: FedConfig, heads: DraftHeads) -> dict[str, Any]:
+    """The round's update bound and, in plain rounds (where the server sees updates), their median and max."""
+    bound = config.update_bound(sum(math.prod(shape) for _, shape in expected_shapes(heads)))
+    norms = sorted(exchange.update_norms.values())
+    summary: dict[str, Any] = {"bound": bound, "checked": not config.secagg}
+    if norms:
+        summary.update(median=norms[len(norms) // 2], max=norms[-1])
+    return summary

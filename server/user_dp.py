@@ -8,7 +8,7 @@ What each level guarantees, and whom it trusts:
   against everyone, the server included (the noise is added before anything leaves the device).
   A user who contributes many chunks is protected per chunk, not as a whole.
 * user level (`dp-level = "user"`): each client trains without noise; Flower's `fixedclipping_mod`
-  clips the client's whole update (new heads minus the heads it was sent) to L2 norm `dp-user-clip`
+  clips the client's whole update (new heads minus the heads it was sent) to L2 norm `update-max-norm`
   before SecAgg+ masks it; the server wraps its strategy in Flower's
   `DifferentialPrivacyClientSideFixedClipping`, which adds Gaussian noise of standard deviation
   sigma * clip / n to the mean of the n sampled clients. Every client counts equally (the same
@@ -73,9 +73,9 @@ def plan_user_dp(config: FedConfig, sampled: int, nodes: int) -> dict:
     return {
         "level": "user",
         "noise_multiplier": sigma,
-        "clip": config.dp_user_clip,
+        "clip": config.update_max_norm,
         "clients_per_round": sampled,
-        "noise_std": noise_std(sigma, config.dp_user_clip, sampled),
+        "noise_std": noise_std(sigma, config.update_max_norm, sampled),
         "epsilon": user_epsilon(sigma, sampled, nodes, config.num_server_rounds, config.dp_delta),
         "delta": config.dp_delta,
         "noise_added_by": "server (after SecAgg+ unmasking)",

@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                     "dp-trainable",
                     "dp-rank",
                     "dp-level",
-                    "dp-user-clip",
+                    "update-max-norm",
                 )
                 if k in config
             },
@@ -647,7 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     if scale.user_dp:
         entry = run(
             f"user-dp-eps{TRICK_EPSILON}",
-            dict(run_config, **{"dp": True, "dp-level": "user", "dp-target-epsilon": float(TRICK_EPSILON)}),
+            dict(
+                run_config,
+                **{"dp": True, "dp-level": "user", "update-max-norm": 0.1, "dp-target-epsilon": float(TRICK_EPSILON)},
+            ),
         )
         result["user_dp"] = {str(TRICK_EPSILON): strip(entry)}
         save()

@@ -17,7 +17,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from client import client_app as client_module
-from client.client_app import secaggplus_when_needed, train_handler
+from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
 from client.privacy import epsilon_of
 from common.data import stdlib_dir
 from common.errors import FedLookaheadError
@@ -67,15 +67,20 @@ def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=No
                 )
         return reply
 
+    def fitres_corrupter(msg, context, call_next):  # a hostile client skips the clip, not the masking
+        reply = call_next(msg, context)
+        if corrupt and reply.has_content() and "fitres.parameters" in reply.content.array_records:
+            fitres = corrupt(context.node_id, compat.recorddict_to_fitres(reply.content, keep_input=False))
+            reply.content = compat.fitres_to_recorddict(fitres, keep_input=False)
+        return reply
+
     app = ClientApp()
 
-    @app.train(mods=[masked_corrupter, secaggplus_when_needed])
+    @app.train(mods=[masked_corrupter, secaggplus_when_needed, fitres_corrupter, fixedclipping_when_asked])
     def train(msg: Message, context: Context) -> Message:
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
         sent[context.node_id] = (parameters_to_ndarrays(fitres.parameters), fitres.num_examples)
-        if corrupt:
-            fitres = corrupt(context.node_id, fitres)
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
     @app.evaluate()
@@ -287,6 +292,108 @@ def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_confi
     tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
     secure = global_heads(run_dir, tiny_base)
     assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
+
+
+def _init_heads(tiny_base, tmp_path) -> tuple[str, list[np.ndarray]]:
+    folder = DraftHeads.fresh(tiny_base, 2).save(tmp_path / "init-heads")
+    return str(folder), heads_to_ndarrays(DraftHeads.load(folder, tiny_base))
+
+
+def _distance(arrays: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    return float(np.sqrt(sum(np.sum((a.astype(np.float64) - r) ** 2) for a, r in zip(arrays, reference))))
+
+
+def test_plain_fedavg_refuses_an_update_beyond_the_norm_bound(run_config, tiny_base, tmp_path):
+    """Issue 29 item 6: an update boosted 1e6x and clipped element-wise into range was accepted (178x the honest
+    update's distance from the mean). Every update is now bounded in L2; in plain rounds the server checks it."""
+    init, start = _init_heads(tiny_base, tmp_path)
+    config = dict(run_config, **{"secagg": False, "dp": False, "init-heads": init})
+    sent: dict = {}
+    limit = FedConfig.from_mapping(config).secagg_clipping_range
+
+    def boost(node_id: int, fitres: FitRes) -> FitRes:
+        if node_id != 1000:
+            return fitres
+        arrays = [
+            np.clip(s + 1e6 * (a - s), -limit, limit) for a, s in zip(parameters_to_ndarrays(fitres.parameters), start)
+        ]
+        return FitRes(fitres.status, ndarrays_to_parameters(arrays), fitres.num_examples, fitres.metrics)
+
+    run_dir, _, _ = run(config, recording_app(sent, boost))
+    record = round_record(run_dir)
+    [rejected] = record["participation"]["rejected"]
+    assert rejected["node"] == 1000 and "update norm" in rejected["reason"] and "above the bound" in rejected["reason"]
+    assert record["aggregated"], record["aggregate_note"]
+    bound = record["update_norm"]["bound"]
+    assert record["update_norm"]["checked"] and record["update_norm"]["max"] <= bound
+    honest = [v for node, v in sent.items() if node != 1000]
+    np.testing.assert_allclose(global_heads(run_dir, tiny_base)[0], weighted_mean(honest)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_honest_clients_clip_their_update_to_the_bound_under_secagg(run_config, tiny_base, tmp_path):
+    """Under SecAgg+ the server cannot see a masked update's norm: honest clients clip theirs (Flower's
+    fixedclipping_mod, with the bound every train message carries), so the secure mean moves at most the bound."""
+    init, start = _init_heads(tiny_base, tmp_path)
+    bound = 1e-3
+    config = dict(run_config, **{"dp": False, "init-heads": init, "update-max-norm": bound, "lr": 0.05})
+    sent: dict = {}
+    run_dir, _, _ = run(config, recording_app(sent))
+    record = round_record(run_dir)
+    assert record["aggregated"] and record["update_norm"] == {"bound": bound, "checked": False}
+    assert min(_distance(arrays, start) for arrays, _ in sent.values()) > 10 * bound  # what they trained
+    tolerance = secagg_tolerance(FedConfig.from_mapping(config), [w for _, w in sent.values()])
+    moved = _distance(global_heads(run_dir, tiny_base), start)
+    size = sum(a.size for a in start)
+    assert 0 < moved <= bound + tolerance * np.sqrt(size)
+
+
+def test_a_device_reveals_its_spending_and_nothing_else_of_its_data(run_config, tmp_path):
+    """Issue 29 item 2: a device answered evaluation with its loss and accuracy on private held-out data, and its
+    train replies carried loss and accuracy in plaintext under SecAgg+. Now a device (state-dir) sends its
+    update, its privacy spending and the weight cap; its own log keeps the rest. A simulated client reports all."""
+    from flwr.app.message_type import MessageType
+
+    from client.client_app import DEVICE_TRAIN_METRICS
+    from common import protocol as P
+
+    config = dict(run_config, **{"max-chunks-per-client": 40, "fraction-evaluate": 1.0})
+    states = {i: tmp_path / f"device-{i}" for i in (0, 1)}
+    grid = InProcessGrid(client_module.app, 3, config, {i: {"state-dir": str(s)} for i, s in states.items()})
+    seen: list = []
+    real = grid.send_and_receive
+
+    def spy(messages, *, timeout=None):
+        replies = list(real(messages, timeout=timeout))
+        seen.extend(replies)
+        return replies
+
+    grid.send_and_receive = spy
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    run_dir = run_federation(grid, context, FedConfig.from_mapping(config))
+    devices = {1000 + i for i in states}  # InProcessGrid: node 1000 + partition
+    record = round_record(run_dir)
+    assert record["aggregated"] and record["client_eval"]["withheld"] == 2
+    train = [r for r in seen if P.FITRES_METRICS in r.content.config_records]
+    evals = [r for r in seen if r.metadata.message_type == MessageType.EVALUATE]
+    assert len(train) == 3 and len(evals) == 3
+    for reply in train:
+        metrics = dict(reply.content.config_records[P.FITRES_METRICS])
+        weight = reply.content.metric_records[P.FITRES_NUM_EXAMPLES]["num_examples"]
+        if reply.metadata.src_node_id in devices:
+            assert set(metrics) == set(DEVICE_TRAIN_METRICS) and weight == 40  # the cap, not its 36 chunks
+        else:
+            assert P.LOSS in metrics and weight == metrics[P.NUM_TRAIN_CHUNKS] < 40
+    for reply in evals:
+        metrics = dict(reply.content.metric_records[P.EVAL_METRICS_RECORD])
+        if reply.metadata.src_node_id in devices:
+            assert metrics == {P.NUM_EXAMPLES: 0, P.WITHHELD: 1}
+        else:
+            assert metrics[P.NUM_EXAMPLES] > 0 and P.HEAD_ACCURACY in metrics
+    for state in states.values():  # the device keeps its whole story for its owner
+        events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines()]
+        done = next(e for e in events if e["event"] == "train-done")
+        assert P.LOSS in done["metrics"] and done["weight"] == done["metrics"][P.NUM_TRAIN_CHUNKS]
+        assert P.HEAD_ACCURACY in next(e for e in events if e["event"] == "eval")["metrics"]
 
 
 def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tmp_path):

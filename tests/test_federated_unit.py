@@ -254,3 +254,27 @@ def test_package_partitioner_keeps_packages_whole():
         too_many = PackagePartitioner(5)
         too_many.dataset = partitioner.dataset
         too_many.load_partition(0)
+
+
+@pytest.mark.parametrize("pattern", ["steady", "spike"])
+def test_the_update_bound_by_rule_holds_for_honest_adamw(pattern):
+    """update-max-norm = 0: the bound is the most AdamW (torch's defaults, as clients train) can move the weights
+    in a round, so the clip it sets never bites an honest client. Checked on a steady push and on the worst
+    case of Adam's step (small gradients, then a spike)."""
+    config = FedConfig.from_mapping({"lr": 0.01, "max-chunks-per-client": 64, "batch-size": 4, "dp": False})
+    steps = config.local_epochs * 16
+    weights = torch.nn.Parameter(torch.full((1000,), 7.9))
+    start = weights.detach().clone()
+    optimizer = torch.optim.AdamW([weights], lr=config.lr)
+    for step in range(steps):
+        scale = 1e4 if pattern == "spike" and step == steps - 1 else 1e-3
+        weights.grad = torch.full_like(weights, -scale)
+        optimizer.step()
+    moved = float((weights.detach() - start).norm())
+    bound = config.update_bound(weights.numel())
+    assert (
+        bound / 4 < moved <= bound
+    )  # about 3.5x loose on these: the worst case is a long run of small steps, then a spike
+    assert FedConfig.from_mapping({"update-max-norm": 0.5}).update_bound(10**6) == 0.5
+    with pytest.raises(FedLookaheadError, match="dp-level=user needs update-max-norm > 0"):
+        FedConfig.from_mapping({"dp-level": "user"})

@@ -57,8 +57,18 @@ def _device(tiny_base_dir: Path, state: Path, run: dict | None = None, **floor) 
 
 
 def _train(context: Context, heads: DraftHeads, run_key: str) -> dict:
+    """One round on the device; its whole account of it, as its own event log keeps it (the server gets less)."""
     fit_config = {**heads_config_dict(heads), "fedla-run-id": run_key, "server-round": 1}
-    return train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
+    sent = train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
+    if "state-dir" not in context.node_config:  # a simulated client keeps no log: it reports everything
+        return sent
+    events = (Path(context.node_config["state-dir"]) / "events.jsonl").read_text().splitlines()
+    kept = [json.loads(line)["metrics"] for line in events if json.loads(line)["event"] == "train-done"]
+    mine = next(
+        m for m in reversed(kept) if m["epsilon"] == sent["epsilon"] and m["skip-reason"] == sent["skip-reason"]
+    )
+    assert {k: mine[k] for k in sent} == sent  # what was sent is a part of what the device knows
+    return mine
 
 
 def test_device_floor_beats_a_weaker_run_config(tiny_base, tiny_base_dir, tmp_path):
@@ -195,21 +205,32 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
         time.sleep(0.5)  # both rounds would be past their ledger read by now without the lock
         return result
 
-    monkeypatch.setattr(privacy, "train_round", slow_train_round)
     state = tmp_path / "state"
-    results: dict[str, dict] = {}
+    # a first round loads the base and caches the features (real rounds run in separate processes, each with
+    # its own copy; threads of one process would share a half-loaded base)
+    results: dict[str, dict] = {
+        "run-0": _train(
+            _device(tiny_base_dir, state, **{"budget-epsilon": 100.0}), DraftHeads.fresh(tiny_base, 2), "run-0"
+        )
+    }
+    monkeypatch.setattr(privacy, "train_round", slow_train_round)
 
     def round_of(run_key: str) -> None:
-        results[run_key] = _train(_device(tiny_base_dir, state), DraftHeads.fresh(tiny_base, 2), run_key)
+        try:
+            results[run_key] = _train(
+                _device(tiny_base_dir, state, **{"budget-epsilon": 100.0}), DraftHeads.fresh(tiny_base, 2), run_key
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            results[run_key] = {"error": repr(exc)}
 
     threads = [threading.Thread(target=round_of, args=(key,)) for key in ("run-a", "run-b")]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert all(m["skipped"] == 0 for m in results.values())
+    assert all(m.get("skipped") == 0 for m in results.values()), results
     ledger = load_ledger(state)
-    assert sorted(ledger.runs) == ["run-a", "run-b"]
+    assert sorted(ledger.runs) == ["run-0", "run-a", "run-b"]
     assert ledger.steps == sum(m["steps"] for m in results.values())
     # whichever went second reports the lifetime epsilon of both
     assert max(m["epsilon"] for m in results.values()) == pytest.approx(epsilon_of(ledger.history(), 1e-5))

@@ -161,7 +161,9 @@ def test_fixed_clipping_bounds_the_update_only_when_the_server_asks():
 
 
 def test_user_level_noise_calibration_against_opacus():
-    config = FedConfig.from_mapping({"dp-level": "user", "dp-target-epsilon": 4.0, "num-server-rounds": 5})
+    config = FedConfig.from_mapping(
+        {"dp-level": "user", "update-max-norm": 0.1, "dp-target-epsilon": 4.0, "num-server-rounds": 5}
+    )
     sigma = user_noise_multiplier(config, sampled=4, nodes=8)
     accountant = RDPAccountant()
     accountant.history = [(sigma, 0.5, 5)]
@@ -174,7 +176,7 @@ def test_user_level_noise_calibration_against_opacus():
 def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
     tiny_base_dir, tiny_base, tmp_path, one_thread
 ):
-    """Under SecAgg+ with dp-level=user: every client's update has norm <= dp-user-clip (Flower's
+    """Under SecAgg+ with dp-level=user: every client's update has norm <= update-max-norm (Flower's
     fixedclipping_mod, before masking), the clients weigh the same, and the new heads are the plain mean
     of the clipped updates plus Gaussian noise of std sigma * clip / n (Flower's server wrapper)."""
     clip, nodes = 0.05, 4
@@ -196,7 +198,7 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
         "fraction-evaluate": 0.0,
         "run-dir": str(tmp_path / "runs"),
         "dp-level": "user",
-        "dp-user-clip": clip,
+        "update-max-norm": clip,
         "dp-target-epsilon": 8.0,
     }
     sent: dict = {}
@@ -254,6 +256,7 @@ def test_a_device_keeps_its_own_dp_sgd_when_a_run_asks_for_user_level(tiny_base,
         "num-heads": 2,
         "batch-size": 4,
         "dp-level": "user",
+        "update-max-norm": 0.1,
     }
     context = Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config=run_config)
     heads = DraftHeads.fresh(tiny_base, 2)
