@@ -33,7 +33,10 @@ from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
+from client import secagg
 from client import state as device_state
 from common import protocol as P
 from common.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
@@ -54,10 +57,15 @@ class SimulatedDropout(RuntimeError):
 
 
 def secaggplus_when_needed(msg: Message, context: Context, call_next):
-    """`secaggplus_mod` for SecAgg+ stage messages; plain FedAvg train messages go straight through."""
-    if msg.metadata.message_type == MessageType.TRAIN and RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
+    """`secaggplus_mod` for SecAgg+ stage messages, made robust to a hostile peer's key shares (client/secagg.py);
+    plain FedAvg train messages go straight through."""
+    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+    stage = msg.content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.STAGE)
+    if stage == SecAggStage.COLLECT_MASKED_VECTORS:
+        bad = secagg.screen_ciphertexts(msg, context)
+        return secagg.name_bad_sources(secaggplus_mod(msg, context, call_next), bad)
+    return secaggplus_mod(msg, context, call_next)
 
 
 def fixedclipping_when_asked(msg: Message, context: Context, call_next):

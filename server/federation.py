@@ -20,7 +20,6 @@ from typing import Any
 from flwr.app import Context
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.app_utils import start_update_client_manager_thread
-from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp.grid import Grid
 
 from common.base import BaseModel, load_base
@@ -35,6 +34,7 @@ from server import server_optimizer
 from server.evaluation import ServerEval
 from server.recorder import Recorder, checkpoints_newest_first
 from server.rounds import RoundContext, run_round
+from server.secagg import TolerantSecAggPlusWorkflow
 from server.store import RunStore
 
 log = logging.getLogger(
@@ -192,7 +192,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
         ready.wait()
         workflow = None
         if config.secagg:
-            workflow = SecAggPlusWorkflow(
+            workflow = TolerantSecAggPlusWorkflow(
                 num_shares=config.secagg_num_shares,
                 reconstruction_threshold=config.secagg_reconstruction_threshold,
                 max_weight=config.weight_cap,

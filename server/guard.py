@@ -4,7 +4,8 @@
 the stage it answers: its weight and metrics by `common.protocol.TrainReply` (types, finiteness,
 ranges), its update by `common.params` (under SecAgg+ the masked vector's count, shapes, integer type
 and modulus range; in plain FedAvg the weights' shapes, NaN/Inf and the range), and each SecAgg+
-key-exchange reply for the records its stage needs. A bad reply is turned into an error reply and
+key-exchange reply for the records its stage needs (and, with `server.secagg.SecAggWitness`, for what only
+the whole stage shows: replayed keys, peers an honest client names, inconsistent key shares). A bad reply is turned into an error reply and
 counted as rejected with its reason; SecAgg+ then treats that client as dropped (its masks are
 removed with the other clients' key shares), so the round goes on. Evaluation replies are checked by
 `common.protocol.EvalReply` where they are read (server/evaluation.py).
@@ -53,7 +54,8 @@ from flwr.supercore.run import Run
 
 from common.fedconfig import FedConfig
 from common.params import validate_masked, validate_update
-from common.protocol import FITRES_PARAMETERS, ReplyError, TrainReply
+from common.protocol import BAD_SHARE_SOURCES, FITRES_PARAMETERS, ReplyError, TrainReply
+from server.secagg import SecAggWitness
 
 log = logging.getLogger(
     "flwr.fedla.server"
@@ -125,6 +127,7 @@ class GuardedGrid(Grid):
         self.num_heads = num_heads
         self.default_timeout = default_timeout
         self.current = current  # the heads this round sent: a plain update farther than the bound is refused
+        self.secagg = SecAggWitness()
         self.update_bound = config.update_bound(sum(math.prod(shape) for _, shape in shapes))
 
     # -- delegation
@@ -168,9 +171,16 @@ class GuardedGrid(Grid):
         if not is_train:
             return replies
         stage = _stage(messages[0])
+        self.secagg.sent(stage, messages)
         for node in wanted - answered:
             self.exchange.failures.setdefault(node, "no reply before the timeout")
-        return [self._check(r, stage) for r in replies]
+        checked = [self._check(r, stage) for r in replies]
+        # what only the whole stage shows: duplicated keys, accused peers, inconsistent shares
+        culprits = self.secagg.culprits(stage, [r for r in checked if not r.has_error()])
+        return [
+            self._reject(r, culprits[r.metadata.src_node_id]) if r.metadata.src_node_id in culprits else r
+            for r in checked
+        ]
 
     def _check(self, reply: Message, stage: str | None) -> Message:
         node = reply.metadata.src_node_id
@@ -185,8 +195,14 @@ class GuardedGrid(Grid):
             reason = f"malformed reply ({type(exc).__name__}: {short_reason(str(exc), 120)})"
         else:
             return reply
+        return self._reject(reply, reason)
+
+    def _reject(self, reply: Message, reason: str) -> Message:
+        """The error reply a workflow sees instead of `reply`: the client is dropped, and named with the reason."""
+        node = reply.metadata.src_node_id
         log.warning("rejected the reply of node %s: %s", node, reason)
         self.exchange.rejected.append({"node": node, "reason": reason})
+        self.exchange.checked.pop(node, None)
         return Message(
             metadata=copy.copy(reply.metadata), error=Error(code=REJECTED_CODE, reason=f"rejected: {reason}")
         )
@@ -208,6 +224,11 @@ class GuardedGrid(Grid):
             ctxts = _list_of(cfg.get(SecAggKey.CIPHERTEXT_LIST), bytes, "SecAgg+ ciphertext list")
             if len(dsts) != len(ctxts):
                 raise ReplyError(f"SecAgg+ share-keys reply: {len(dsts)} destinations for {len(ctxts)} ciphertexts")
+            expected = self.secagg.neighbours.get(node, set()) - {node}
+            if node in self.secagg.neighbours and (len(set(dsts)) != len(dsts) or set(dsts) != expected):
+                raise ReplyError(
+                    "SecAgg+ share-keys reply is not addressed to this node's neighbours (replayed from another node?)"
+                )
         elif stage == SecAggStage.COLLECT_MASKED_VECTORS:
             self._validate_fitres(node, content, masked=True)
         elif stage == SecAggStage.UNMASK:
@@ -218,6 +239,18 @@ class GuardedGrid(Grid):
             unknown = set(nids) - set(self.exchange.sampled)
             if unknown:
                 raise ReplyError(f"SecAgg+ unmask reply names {len(unknown)} node(s) outside this round")
+            if len(set(nids)) != len(nids):
+                raise ReplyError("SecAgg+ unmask reply gives two shares for one node")
+            if node in self.secagg.asked and set(nids) != self.secagg.asked[node]:
+                raise ReplyError("SecAgg+ unmask reply does not give the shares it was asked for")
+            for owner, share in zip(nids, shares):
+                reason = self.secagg.malformed_share(share)
+                if reason:
+                    raise ReplyError(f"SecAgg+ unmask reply: the share for node {owner} is {reason}")
+        if stage == SecAggStage.COLLECT_MASKED_VECTORS and BAD_SHARE_SOURCES in cfg:
+            accused = _list_of(cfg.get(BAD_SHARE_SOURCES), int, "SecAgg+ bad share sources")
+            if not set(accused) <= self.secagg.neighbours.get(node, set(accused)) - {node}:
+                raise ReplyError("SecAgg+ reply names peers that are not its neighbours")
 
     def _validate_fitres(self, node: int, content: RecordDict, masked: bool) -> None:
         """A legacy FitRes reply: its weight and metrics (protocol), its update (plain) or masked vector."""

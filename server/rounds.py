@@ -2,8 +2,9 @@
 
 Flower 1.42 offers SecAgg+ only in its legacy workflow API (`flwr.server.workflow.SecAggPlusWorkflow`
 with a `LegacyContext` and a legacy `Strategy`); the new `flwr.serverapp.strategy` classes have no
-secure aggregation. So each round runs Flower's own `SecAggPlusWorkflow` (or, with secagg=false,
-`default_fit_workflow`) as its fit step, over a `GuardedGrid` and a `HeadsStrategy` made for that
+secure aggregation. So each round runs Flower's `SecAggPlusWorkflow` (server/secagg.py's subclass, which
+survives a client dropped before its key shares went out; or, with secagg=false, `default_fit_workflow`)
+as its fit step, over a `GuardedGrid` and a `HeadsStrategy` made for that
 round and sharing only that round's `ExchangeLog`. The run's loop (server/federation.py) calls
 `run_round` once per round and hands the record to the recorder.
 """
@@ -26,7 +27,6 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.server_config import ServerConfig
 from flwr.server.strategy import Strategy
-from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.default_workflows import default_fit_workflow
@@ -40,7 +40,8 @@ from common.heads import DraftHeads
 from common.params import expected_shapes, heads_config_dict, heads_to_ndarrays, load_ndarrays, validate_update
 from common.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
 from server.evaluation import ServerEval, client_evaluation
-from server.guard import ExchangeLog, GuardedGrid
+from server.guard import ExchangeLog, GuardedGrid, short_reason
+from server.secagg import TolerantSecAggPlusWorkflow
 
 log = logging.getLogger("flwr.fedla.server")
 
@@ -58,7 +59,7 @@ class RoundContext:
     run_id: str
     server_eval: ServerEval
     optimizer: Any  # server.server_optimizer: step(current, mean) -> new arrays
-    workflow: SecAggPlusWorkflow | None = None  # None: plain FedAvg (default_fit_workflow)
+    workflow: TolerantSecAggPlusWorkflow | None = None  # None: plain FedAvg (default_fit_workflow)
     user_dp: dict[str, Any] | None = None  # dp-level=user: server.user_dp's plan
     sample_rng: random.Random = field(default_factory=random.Random)  # which sampled clients crash (simulation)
     eval_rng: random.Random = field(default_factory=random.Random)  # which nodes evaluate
@@ -141,7 +142,12 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
         config.num_server_rounds,
         "SecAgg+ FedAvg" if config.secagg else "plain FedAvg",
     )
-    (ctx.workflow or default_fit_workflow)(guarded, legacy)
+    try:
+        (ctx.workflow or default_fit_workflow)(guarded, legacy)
+    except Exception as exc:  # noqa: BLE001 - what clients sent may still break Flower's workflow: lose the round, not the run
+        log.exception("round %d: the train exchange failed", server_round)
+        exchange.aggregated = False
+        exchange.aggregate_note = f"round aborted: {type(exc).__name__}: {short_reason(str(exc), 200)}"
     if exchange.aggregated:
         new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         load_ndarrays(heads, ctx.optimizer.step(current, parameters_to_ndarrays(new)))  # issue 12

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -53,18 +55,28 @@ def run_config(tiny_base_dir, tmp_path):
     }
 
 
-def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None) -> ClientApp:
+def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None) -> ClientApp:
     """The real train and evaluate handlers, recording each client's plain update before SecAgg+ masks
-    it; `corrupt*` change a client's train reply, masked vector or evaluation metrics on the way out."""
+    it; `corrupt*` change a client's train reply, masked vector, evaluation metrics or any SecAgg+ stage's
+    reply record on the way out (`corrupt_stage(node, stage, record, earlier)`, `earlier`: (stage, node) ->
+    the records the other clients sent so far, for replays)."""
+    earlier: dict = {}
 
     def masked_corrupter(msg, context, call_next):
+        stage = None
+        if RECORD_KEY_CONFIGS in msg.content.config_records:
+            stage = msg.content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.STAGE)
         reply = call_next(msg, context)
-        if corrupt_masked and reply.has_content() and RECORD_KEY_CONFIGS in reply.content.config_records:
-            record = reply.content.config_records[RECORD_KEY_CONFIGS]
-            if SecAggKey.MASKED_PARAMETERS in record:
-                record[SecAggKey.MASKED_PARAMETERS] = corrupt_masked(
-                    context.node_id, list(record[SecAggKey.MASKED_PARAMETERS])
-                )
+        if not reply.has_content() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+            return reply
+        record = reply.content.config_records[RECORD_KEY_CONFIGS]
+        earlier[(stage, context.node_id)] = copy.deepcopy(dict(record))
+        if corrupt_masked and SecAggKey.MASKED_PARAMETERS in record:
+            record[SecAggKey.MASKED_PARAMETERS] = corrupt_masked(
+                context.node_id, list(record[SecAggKey.MASKED_PARAMETERS])
+            )
+        if corrupt_stage:
+            corrupt_stage(context.node_id, stage, record, earlier)
         return reply
 
     def fitres_corrupter(msg, context, call_next):  # a hostile client skips the clip, not the masking
@@ -394,6 +406,77 @@ def test_a_device_reveals_its_spending_and_nothing_else_of_its_data(run_config, 
         done = next(e for e in events if e["event"] == "train-done")
         assert P.LOSS in done["metrics"] and done["weight"] == done["metrics"][P.NUM_TRAIN_CHUNKS]
         assert P.HEAD_ACCURACY in next(e for e in events if e["event"] == "eval")["metrics"]
+
+
+HOSTILE = 1004  # the last of 5 nodes: it answers after node 1000, so it can replay what 1000 sent
+
+
+def _hostile_reply(attack: str):
+    """What node HOSTILE does to its SecAgg+ replies in each attack of issue 29 item 5."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
+    def corrupt(node: int, stage: str, record, earlier: dict) -> None:
+        if node != HOSTILE:
+            return
+        if attack == "replayed-setup" and stage == Stage.SETUP:
+            for key in (SecAggKey.PUBLIC_KEY_1, SecAggKey.PUBLIC_KEY_2):
+                record[key] = earlier[(stage, 1000)][key]
+        elif attack == "garbage-ciphertexts" and stage == Stage.SHARE_KEYS:
+            record[SecAggKey.CIPHERTEXT_LIST] = [os.urandom(len(c)) for c in record[SecAggKey.CIPHERTEXT_LIST]]
+        elif attack == "replayed-share-keys" and stage == Stage.SHARE_KEYS:
+            for key in (SecAggKey.DESTINATION_LIST, SecAggKey.CIPHERTEXT_LIST):
+                record[key] = earlier[(stage, 1000)][key]
+        elif stage == Stage.UNMASK and attack.endswith("share"):
+            nids, shares = list(record[SecAggKey.NODE_ID_LIST]), list(record[SecAggKey.SHARE_LIST])
+            victim = nids.index(1001)
+            if attack == "garbage-share":  # well formed: its index, then random chunks
+                shares[victim] = shares[victim][:4] + os.urandom(len(shares[victim]) - 4)
+            elif attack == "truncated-share":
+                shares[victim] = shares[victim][:-5]
+            elif attack == "empty-share":
+                shares[victim] = b""
+            elif attack == "duplicated-share":  # node 1000's share of the same secret, sent again
+                theirs = earlier[(stage, 1000)]
+                shares[victim] = theirs[SecAggKey.SHARE_LIST][theirs[SecAggKey.NODE_ID_LIST].index(1001)]
+            record[SecAggKey.SHARE_LIST] = shares
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    "attack,named,reason,in_sum",
+    [
+        ("replayed-setup", {1000, HOSTILE}, "public key identical to node", False),
+        ("garbage-ciphertexts", {HOSTILE}, "key share for node 100", False),
+        ("replayed-share-keys", {HOSTILE}, "not addressed to this node's neighbours", False),
+        ("garbage-share", {HOSTILE}, "does not match the others'", True),
+        ("truncated-share", {HOSTILE}, "the share for node 1001 is malformed", True),
+        ("empty-share", {HOSTILE}, "the share for node 1001 is malformed (0 bytes)", True),
+        ("duplicated-share", {HOSTILE}, "repeats node 1000's", True),
+    ],
+)
+def test_a_hostile_secagg_client_is_dropped_and_named_and_the_round_goes_on(
+    run_config, tiny_base, attack, named, reason, in_sum
+):
+    """Issue 29 item 5: garbage, truncated, duplicated or empty unmask shares raised ValueError in Flower's
+    combine_shares and failed the run; garbage ciphertexts or a replayed setup or share-keys reply aborted the
+    round with the honest nodes recorded as failing. Now the culprit is dropped and named, the honest clients
+    are not, and the secure mean is the right one (the hostile node's own update counts when it was dropped
+    only at the unmask stage: its masked vector was in the sum, and its mask is removed with the others' shares)."""
+    sent: dict = {}
+    config = dict(run_config, **{"min-train-clients": 5, "min-available-clients": 5, "fraction-evaluate": 0.0})
+    run_dir, summary, _ = run(config, recording_app(sent, corrupt_stage=_hostile_reply(attack)), nodes=5)
+    assert summary["run"]["status"] == "finished"
+    record = round_record(run_dir)
+    rejected = {r["node"]: r["reason"] for r in record["participation"]["rejected"]}
+    assert set(rejected) == named, rejected
+    assert all(reason in why for why in rejected.values()), rejected
+    assert record["participation"]["failures"] == {}  # no honest node is recorded as failing
+    assert record["aggregated"], record["aggregate_note"]
+    counted = [v for node, v in sent.items() if node not in named or (in_sum and node == HOSTILE)]
+    tolerance = secagg_tolerance(FedConfig.from_mapping(config), [w for _, w in counted])
+    secure = global_heads(run_dir, tiny_base)
+    assert max(float(np.abs(s - e).max()) for s, e in zip(secure, weighted_mean(counted))) <= tolerance
 
 
 def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tmp_path):
