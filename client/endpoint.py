@@ -1,8 +1,10 @@
 """The device's local generation endpoint: OpenAI-compatible completions for apps on the device.
 
-    POST /v1/completions        {"prompt": "...", "max_tokens", "temperature", "top_p", "stop", "seed", "stream"}
-    POST /v1/chat/completions   {"messages": [{"role", "content"}, ...], same options}
+    POST /v1/completions        {"prompt": "...", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                                 "logprobs", "echo", "suffix"}
+    POST /v1/chat/completions   {"messages": [{"role", "content"}, ...], same options, "logprobs", "top_logprobs"}
     GET  /v1/models             the one model served (the base's directory name)
+    GET  /health                {"status", "model", "heads_version", "mode"}: is it ready, and with which heads
 
 It listens on loopback only (127.0.0.1 / ::1): the prompts and outputs of the device's apps stay on
 the device. Decoding is AMS-LD (lossless: greedy output equals the base's own greedy output) with
@@ -27,8 +29,16 @@ the newest global heads; without usable heads it is plain decoding (usage.mode s
   bad input, 503 when the base model cannot be loaded (retried on the next request, so a base
   copied in later is picked up) or the queue is full.
 
-Limitations: one completion per request (n = 1), no logprobs / echo / suffix / tools; the request's
-`model` field is ignored (one base is served).
+- Logprobs are the base's own: one teacher-forced base forward over the prompt and the answer, so
+  they are the logits greedy decoding itself follows (lossless, like the text). `echo` puts the
+  prompt in front of the text (and its tokens in logprobs); `suffix` asks for fill-in-the-middle, which
+  needs the base's tokenizer to have `<fim_prefix>`, `<fim_suffix>` and `<fim_middle>`.
+- A field the endpoint cannot honour (tools, response_format other than text, logit_bias,
+  penalties, best_of > 1, ...) is a 400 naming it, never a silent 200.
+- A non-streamed request whose client has gone is cancelled at the next decoding step.
+
+Limitations: one completion per request (n = 1); logprobs are not streamed; the request's `model`
+field is ignored (one base is served).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, Sequence
+from typing import Any, AsyncIterator, Callable, Literal
 
 import torch
 import uvicorn
@@ -59,6 +69,7 @@ from client.state import read_heads_meta
 from common.base import BaseModel, Loading, check_text
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper, check_prompt, check_sampling
+from common.decoding.streaming import StreamingStopper, TextStream, cut_at_stop
 from common.errors import FedLookaheadError
 from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from common.loopback import host_header_is_loopback, refused_host_message
@@ -162,6 +173,15 @@ class Sampling:
     top_p: float
     stop: tuple[str, ...]
     seed: int | None
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    echo: bool = False  # the prompt's tokens in logprobs too (the text is echoed by the HTTP layer)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float | None  # None: the first prompt token (nothing predicts it)
+    top: tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True)
@@ -171,6 +191,7 @@ class Completion:
     prompt_tokens: int
     heads_version: int | None
     result: GenerationResult
+    logprobs: tuple[TokenLogprob, ...] | None = None  # echoed prompt tokens first, then the answer's
 
     def usage(self) -> dict[str, Any]:
         completion = len(self.result.tokens)
@@ -183,51 +204,6 @@ class Completion:
             "heads_version": self.heads_version,
             "mode": self.result.mode,
         }
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """The text before the earliest stop string, and whether one was found."""
-    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return (text[: min(found)], True) if found else (text, False)
-
-
-class TextStream:
-    """Turns the growing token list into text deltas that are always prefixes of the final text."""
-
-    def __init__(self, tokenizer, stop: Sequence[str], emit: Callable[[str], None]) -> None:
-        self.tokenizer, self.stop, self.emit = tokenizer, stop, emit
-        self.margin = max((len(s) for s in stop), default=1) - 1  # a stop string may be forming there
-        self.sent = ""
-
-    def update(self, tokens: list[int]) -> None:
-        text, stopped = cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), self.stop)
-        if not stopped:
-            text = text[: len(text) - self.margin].rstrip("\ufffd")  # U+FFFD: a character's bytes still coming
-        self._send(text)
-
-    def finish(self, final: str) -> None:
-        self._send(final)
-
-    def _send(self, text: str) -> None:
-        if len(text) > len(self.sent) and text.startswith(self.sent):
-            self.emit(text[len(self.sent) :])
-            self.sent = text
-
-
-class StreamingStopper(Stopper):
-    """The decoders' Stopper that also reports every accepted step and ends the decode when cancelled."""
-
-    def __init__(self, *args: Any, on_tokens: Callable[[list[int]], None] | None, cancelled: threading.Event) -> None:
-        super().__init__(*args)
-        self.on_tokens, self.cancelled = on_tokens, cancelled
-
-    def admit(self, tokens: list[int], new: Sequence[int]) -> str | None:
-        reason = super().admit(tokens, new)
-        if self.on_tokens is not None:
-            self.on_tokens(tokens)
-        if reason is None and self.cancelled.is_set():
-            return "cancelled"
-        return reason
 
 
 def decode(
@@ -274,6 +250,55 @@ def prompt_token_ids(base: BaseModel, prompt: Prompt) -> list[int]:
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def fill_in_the_middle(base: BaseModel, prefix: str, suffix: str) -> str:
+    """The prompt that asks the base for the text between `prefix` and `suffix` (StarCoder's FIM layout)."""
+    vocab = base.tokenizer.get_vocab()
+    missing = [token for token in FIM_TOKENS if token not in vocab]
+    if missing:
+        raise FedLookaheadError(
+            f"suffix: the base's tokenizer ({base.path.name}) has no fill-in-the-middle tokens ({', '.join(missing)})"
+        )
+    check_text(suffix, "suffix")
+    return f"{FIM_TOKENS[0]}{prefix}{FIM_TOKENS[1]}{suffix}{FIM_TOKENS[2]}"
+
+
+@torch.no_grad()
+def base_logprobs(
+    base: BaseModel, prompt: list[int], answer: list[int], top: int, echo: bool
+) -> tuple[TokenLogprob, ...]:
+    """Each answer token's log-probability under the base (and, with `echo`, each prompt token's), with the
+    `top` most likely tokens at its position: one base forward over prompt + answer."""
+    ids = prompt + answer
+    logits = base.model(torch.tensor([ids], device=base.device)).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    decode = base.tokenizer.decode
+    first = 0 if echo else len(prompt)
+    out = []
+    for position in range(first, len(ids)):
+        if position == 0:
+            out.append(TokenLogprob(decode([ids[0]]), None, ()))
+            continue
+        row = logp[position - 1]
+        best = torch.topk(row, top).indices.tolist() if top else []
+        out.append(
+            TokenLogprob(
+                decode([ids[position]]), float(row[ids[position]]), tuple((decode([t]), float(row[t])) for t in best)
+            )
+        )
+    return tuple(out)
+
+
+def answer_tokens(tokenizer, tokens: list[int], text: str) -> list[int]:
+    """The generated tokens that make up `text` (the answer cut before its stop string)."""
+    kept = list(tokens)
+    while kept and len(tokenizer.decode(kept, skip_special_tokens=True)) > len(text):
+        kept.pop()
+    return kept
 
 
 class Endpoint:
@@ -357,17 +382,53 @@ class Endpoint:
         if text_stream is not None:
             text_stream.finish(text)
         reason = "stop" if stopped else FINISH_REASONS.get(result.stop_reason, "stop")
-        return Completion(text, reason, len(ids), snapshot.version, result)
+        logprobs = None
+        if sampling.logprobs is not None:
+            answer = answer_tokens(base.tokenizer, list(result.tokens), text)
+            logprobs = base_logprobs(base, ids, answer, sampling.logprobs, sampling.echo)
+        return Completion(text, reason, len(ids), snapshot.version, result, logprobs)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def describe(self) -> str:
+        """What it serves now, for the line printed on start (a missing base or missing heads said plainly)."""
+        if self.base is None:
+            return f"base {self.base_dir} not loaded yet: requests get 503 until it can be"
+        snapshot = self.heads.current()
+        if snapshot.heads is None:
+            return f"WARNING: no heads in {self.heads.directory}: plain decoding (no speed-up) until a round delivers heads"
+        return f"AMS-LD with heads v{snapshot.version} from {self.heads.directory}"
 
 
 # ------------------------------------------------------------------------------------- HTTP API
 
 
+# OpenAI fields that change nothing here and are accepted as they come (user, metadata, ...); any other
+# field this endpoint cannot honour gets a 400 naming it (`unsupported_field`), never a silent 200
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"})
+
+
+def unsupported_field(extra: dict[str, Any]) -> str | None:
+    """A one-line reason naming the first field of `extra` (fields outside the schema) that would be ignored."""
+    neutral = {
+        "logit_bias": lambda v: not v,
+        "presence_penalty": lambda v: v in (0, 0.0, None),
+        "frequency_penalty": lambda v: v in (0, 0.0, None),
+        "best_of": lambda v: v in (1, None),
+        "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+        "modalities": lambda v: v in (None, ["text"]),
+        "tool_choice": lambda v: v in (None, "none"),
+    }
+    for name, value in extra.items():
+        if name in HARMLESS_FIELDS or (name in neutral and neutral[name](value)):
+            continue
+        return f"{name}: not supported by this endpoint (only text completion with the fields in its documentation)"
+    return None
+
+
 class _Options(Schema):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use (user, logit_bias...) are accepted
+    model_config = ConfigDict(extra="allow")  # kept aside, then refused or accepted by `unsupported_field`
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -381,6 +442,9 @@ class _Options(Schema):
 
 class CompletionRequest(_Options):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the answer tokens' logprobs, with this many top ones
+    echo: bool = False
+    suffix: str | None = None
 
 
 class ChatMessage(Schema):
@@ -391,6 +455,8 @@ class ChatMessage(Schema):
 class ChatRequest(_Options):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
 def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
@@ -408,11 +474,54 @@ def _error_response(exc: BaseException) -> JSONResponse:
     return _error(500, f"generation failed: {type(exc).__name__}: {one_line(str(exc))}", "server_error", "internal")
 
 
-def _sampling(request: _Options, max_tokens: int | None) -> Sampling:
+def _sampling(request: _Options, max_tokens: int | None, logprobs: int | None = None, echo: bool = False) -> Sampling:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return Sampling(
-        max_tokens or DEFAULT_MAX_TOKENS, request.temperature, request.top_p, tuple(s for s in stop if s), request.seed
+        max_tokens or DEFAULT_MAX_TOKENS,
+        request.temperature,
+        request.top_p,
+        tuple(s for s in stop if s),
+        request.seed,
+        logprobs,
+        echo,
     )
+
+
+def _refusal(request: _Options, logprobs: bool) -> JSONResponse | None:
+    """A 400 for a field the endpoint would otherwise ignore, or for logprobs on a stream."""
+    reason = unsupported_field(request.model_extra or {})
+    if reason is None and logprobs and request.stream:
+        reason = "logprobs: not available on a stream (ask without stream)"
+    return _error(400, reason, "invalid_request_error", "unsupported_field") if reason else None
+
+
+def _completion_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """OpenAI's completions layout: tokens, token_logprobs, top_logprobs, text_offset."""
+    offsets, at = [], 0
+    for item in logprobs:
+        offsets.append(at)
+        at += len(item.token)
+    return {
+        "tokens": [item.token for item in logprobs],
+        "token_logprobs": [item.logprob for item in logprobs],
+        "top_logprobs": [dict(item.top) if item.logprob is not None else None for item in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """OpenAI's chat layout: content = [{token, logprob, bytes, top_logprobs}]."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(item.token, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
+            for item in logprobs
+        ],
+        "refusal": None,
+    }
 
 
 def _message_text(message: ChatMessage) -> dict[str, str]:
@@ -456,6 +565,11 @@ def create_endpoint_app(
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            where = first.get("loc", ("body", "?"))[-1]
+            why = (first.get("ctx") or {}).get("error", "invalid")
+            message = f"the request body is not valid JSON: {why} at character {where}"
+            return _error(400, message, "invalid_request_error", "invalid_json")
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
         return _error(400, f"{where}: {first.get('msg', 'invalid value')}", "invalid_request_error", "invalid_value")
 
@@ -470,8 +584,21 @@ def create_endpoint_app(
             "data": [{"id": endpoint.model_name, "object": "model", "created": 0, "owned_by": "fedlookahead"}],
         }
 
+    @app.get("/health")
+    async def health() -> dict:
+        snapshot = endpoint.heads.current()
+        return {
+            "status": "ok" if endpoint.base is not None else "base_unavailable",
+            "model": endpoint.model_name,
+            "heads_version": snapshot.version,
+            "mode": "ams" if snapshot.heads is not None else "greedy",
+        }
+
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(request: CompletionRequest, http: Request) -> JSONResponse | StreamingResponse:
+        refused = _refusal(request, request.logprobs is not None)
+        if refused is not None:
+            return refused
         prompt = request.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -481,26 +608,44 @@ def create_endpoint_app(
             prompt = prompt[0]
         if not prompt:
             return _error(400, "prompt: empty prompt", "invalid_request_error", "invalid_value")
-        return await _answer(endpoint, prompt, _sampling(request, request.max_tokens), request.stream, chat=False)
+        if request.suffix:
+            try:
+                prompt = fill_in_the_middle(endpoint.load(), prompt, request.suffix)
+            except FedLookaheadError as exc:
+                return _error_response(exc)
+        sampling = _sampling(request, request.max_tokens, request.logprobs, request.echo)
+        echo = request.prompt if request.echo and isinstance(request.prompt, str) else ""
+        return await _answer(endpoint, prompt, sampling, request.stream, chat=False, http=http, echo=echo)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatRequest) -> JSONResponse | StreamingResponse:
+    async def chat_completions(request: ChatRequest, http: Request) -> JSONResponse | StreamingResponse:
+        refused = _refusal(request, request.logprobs)
+        if refused is not None:
+            return refused
         try:
             messages = [_message_text(m) for m in request.messages]
         except FedLookaheadError as exc:
             return _error_response(exc)
         if not any(m["content"] for m in messages):
             return _error(400, "messages: every message is empty", "invalid_request_error", "invalid_value")
-        sampling = _sampling(request, request.max_completion_tokens or request.max_tokens)
-        return await _answer(endpoint, messages, sampling, request.stream, chat=True)
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        sampling = _sampling(request, request.max_completion_tokens or request.max_tokens, top)
+        return await _answer(endpoint, messages, sampling, request.stream, chat=True, http=http)
 
     return app
 
 
 async def _answer(
-    endpoint: Endpoint, prompt: Prompt, sampling: Sampling, stream: bool, chat: bool
+    endpoint: Endpoint,
+    prompt: Prompt,
+    sampling: Sampling,
+    stream: bool,
+    chat: bool,
+    http: Request | None = None,
+    echo: str = "",
 ) -> JSONResponse | StreamingResponse:
-    """Queue the request, then answer with one JSON body or an event stream once decoding has started."""
+    """Queue the request, then answer with one JSON body or an event stream once decoding has started.
+    `echo`: text put in front of the answer (completions' echo)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
     cancelled = threading.Event()
@@ -509,10 +654,29 @@ async def _answer(
         loop.call_soon_threadsafe(events.put_nowait, event)
 
     def job() -> None:
+        if cancelled.is_set():  # its client left while it waited in the queue
+            return
         try:
             emit(("done", endpoint.complete(prompt, sampling, emit, stream, cancelled)))
         except Exception as exc:  # every failure becomes the request's error response
             emit(("error", exc))
+
+    async def client_gone() -> None:
+        """Returns when the client disconnects: the next ASGI message after the body is http.disconnect."""
+        while http is not None and (await http.receive())["type"] != "http.disconnect":
+            pass
+        if http is None:
+            await asyncio.Event().wait()  # no request to watch: never
+
+    async def next_event(watcher: asyncio.Task) -> Event:
+        """The next event, or ("gone", None) once the client has disconnected (the decode is then cancelled)."""
+        getter = asyncio.ensure_future(events.get())
+        done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        cancelled.set()
+        return ("gone", None)
 
     try:
         endpoint.submit(job)
@@ -523,19 +687,25 @@ async def _answer(
         "created": int(time.time()),
         "model": endpoint.model_name,
     }
-    kind, value = await events.get()
-    if kind == "error":
-        return _error_response(value)
     if not stream:
-        while kind != "done":
-            kind, value = await events.get()
-            if kind == "error":
-                return _error_response(value)
+        watcher = asyncio.ensure_future(client_gone())
+        try:
+            kind, value = await next_event(watcher)
+            while kind not in ("done", "gone", "error"):
+                kind, value = await next_event(watcher)
+        finally:
+            watcher.cancel()
+        if kind == "error":
+            return _error_response(value)
+        if kind == "gone":  # nobody reads this answer
+            return _error(499, "the client closed the connection", "invalid_request_error", "client_gone")
         choice: dict[str, Any] = {"index": 0, "finish_reason": value.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": value.text}
+            choice["logprobs"] = _chat_logprobs(value.logprobs) if value.logprobs is not None else None
         else:
-            choice.update(text=value.text, logprobs=None)
+            logprobs = _completion_logprobs(value.logprobs) if value.logprobs is not None else None
+            choice.update(text=echo + value.text, logprobs=logprobs)
         body = {
             **head,
             "object": "chat.completion" if chat else "text_completion",
@@ -543,6 +713,10 @@ async def _answer(
             "usage": value.usage(),
         }
         return JSONResponse(body)
+
+    kind, value = await events.get()
+    if kind == "error":
+        return _error_response(value)
 
     def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
         if chat:
@@ -556,6 +730,8 @@ async def _answer(
         try:
             if chat:
                 yield _sse(chunk(None, None, role=True))
+            elif echo:
+                yield _sse(chunk(echo, None))
             while True:
                 kind, value = await events.get()
                 if kind == "delta":
@@ -653,6 +829,8 @@ def serve_endpoint(
     """Serve in the foreground until interrupted (a standalone command)."""
     check_loopback(host)
     app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"fedla serve: http://{shown}:{port}/v1 ({app.state.endpoint.describe()}); Ctrl-C stops", flush=True)
     try:
         uvicorn.run(
             app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5

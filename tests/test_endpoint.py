@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -354,7 +357,9 @@ def test_bad_input_is_a_one_line_400(client, path, body, fragment):
 
 def test_malformed_json_and_missing_chat_template(client, tiny_base_dir):
     response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "JSON decode error" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and message.startswith("the request body is not valid JSON: "), message
+    assert "at character 1" in message
     missing = client.get("/v1/engines")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
     with serving(tiny_base_dir, None) as (_server, http):
@@ -371,3 +376,162 @@ def test_cli_serve_refuses_other_hosts_and_bad_dtypes(tiny_base_dir):
     for extra, message in ((["--host", "0.0.0.0"], "loopback only"), (["--dtype", "int3"], "unknown --dtype")):
         result = CliRunner().invoke(app, ["client", "serve", "--base", str(tiny_base_dir), *extra])
         assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and message in result.output
+
+
+# ------------------------------------------------------------------ through the official openai SDK
+
+
+@pytest.fixture(scope="module")
+def sdk(base_dir, heads_dir) -> Iterator[openai.OpenAI]:
+    """What users use: the official client against the endpoint (no retries, so an error is seen as it is)."""
+    with serving(base_dir, heads_dir) as (server, _http):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_sdk_reads_completions_chat_and_streams(sdk, ref_base, heads_dir):
+    expected = reference(ref_base, heads_dir, PROMPTS[0])
+    completion = sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert completion.choices[0].text == expected.text
+    assert completion.usage.completion_tokens == len(expected.tokens)
+    streamed_text = "".join(
+        c.choices[0].text
+        for c in sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, stream=True)
+    )
+    assert streamed_text == expected.text
+    chat_expected = reference(ref_base, heads_dir, PROMPTS[1], chat=True)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = sdk.chat.completions.create(model="any", messages=messages, max_tokens=MAX_TOKENS)
+    assert chat.choices[0].message.content == chat_expected.text and chat.choices[0].message.role == "assistant"
+    pieces = sdk.chat.completions.create(model="any", messages=messages, max_tokens=MAX_TOKENS, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == chat_expected.text
+
+
+def test_the_sdk_sees_stop_strings_and_seeds(sdk, ref_base, heads_dir):
+    full = reference(ref_base, heads_dir, PROMPTS[2]).text
+    stop = full[3:5]
+    cut = sdk.completions.create(model="any", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, stop=[stop])
+    assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    samples = [
+        sdk.completions.create(model="any", prompt=PROMPTS[3], max_tokens=12, temperature=0.9, seed=seed)
+        .choices[0]
+        .text
+        for seed in (5, 5, 6)
+    ]
+    assert samples[0] == samples[1]
+
+
+def test_logprobs_are_the_bases_own(sdk, ref_base, heads_dir):
+    """Greedy decoding takes the most likely token each step: its logprob is the top one, from the base's logits."""
+    expected = reference(ref_base, heads_dir, PROMPTS[0])
+    completion = sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == expected.text and len(logprobs.tokens) == len(expected.tokens)
+    ids = prompt_ids(ref_base, PROMPTS[0], False).tolist() + list(expected.tokens)
+    with torch.no_grad():
+        logp = torch.log_softmax(ref_base.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    start = len(ids) - len(expected.tokens)
+    for k, (token_logprob, top) in enumerate(zip(logprobs.token_logprobs, logprobs.top_logprobs)):
+        assert token_logprob == pytest.approx(float(logp[start + k - 1, ids[start + k]]), abs=1e-4)
+        assert len(top) == 2 and max(top.values()) == pytest.approx(token_logprob, abs=1e-6)
+    echoed = sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=4, echo=True, logprobs=0)
+    assert echoed.choices[0].text.startswith(PROMPTS[0])
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None  # nothing predicts the first prompt token
+    four = reference(ref_base, heads_dir, PROMPTS[0], max_new_tokens=4)
+    assert echoed.choices[0].text == PROMPTS[0] + four.text
+    assert len(echoed.choices[0].logprobs.tokens) == start + len(four.tokens)
+    chat = sdk.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(
+        len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6) for t in content
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda c: c.completions.create(model="m", prompt="x", max_tokens=0), "max_tokens: Input should be greater"),
+        (
+            lambda c: c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "x"}],
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            ),
+            "tools: not supported by this endpoint",
+        ),
+        (
+            lambda c: c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+            ),
+            "response_format: not supported",
+        ),
+        (lambda c: c.completions.create(model="m", prompt="x", frequency_penalty=0.5), "frequency_penalty: not"),
+        (
+            lambda c: c.completions.create(model="m", prompt="x", logprobs=1, stream=True),
+            "logprobs: not available on a stream",
+        ),
+        (
+            lambda c: c.completions.create(model="m", prompt="def f(", suffix="    return x"),
+            "no fill-in-the-middle tokens",
+        ),
+    ],
+)
+def test_the_sdk_gets_a_400_naming_what_is_not_supported(sdk, call, fragment):
+    with pytest.raises(openai.BadRequestError) as raised:
+        result = call(sdk)
+        for _ in result if hasattr(result, "__iter__") else ():
+            pass
+    assert fragment in raised.value.message, raised.value.message
+    assert raised.value.status_code == 400
+
+
+def test_harmless_openai_fields_are_accepted(client):
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "user": "me", "presence_penalty": 0, "logit_bias": {}, "best_of": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_fill_in_the_middle_uses_the_tokenizers_fim_tokens(ref_base):
+    from types import SimpleNamespace
+
+    from client.endpoint import fill_in_the_middle
+
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"<fim_prefix>": 1, "<fim_suffix>": 2, "<fim_middle>": 3})
+    fake = SimpleNamespace(tokenizer=tokenizer, path=ref_base.path)
+    assert fill_in_the_middle(fake, "def f(x):\n", "\n    return y") == (
+        "<fim_prefix>def f(x):\n<fim_suffix>\n    return y<fim_middle>"
+    )
+    with pytest.raises(FedLookaheadError, match="no fill-in-the-middle tokens"):
+        fill_in_the_middle(ref_base, "a", "b")
+
+
+def test_health_says_what_it_serves(client, base_dir):
+    assert client.get("/health").json() == {
+        "status": "ok",
+        "model": "endpoint-base0",
+        "heads_version": 1,
+        "mode": "ams",
+    }
+    bare = create_endpoint_app(base_dir, None).state.endpoint
+    assert bare.describe().startswith("WARNING: no heads in None: plain decoding")
+    bare.close()
+
+
+def test_a_client_gone_before_a_non_streamed_answer_frees_the_worker(base_dir, ref_base, heads_dir):
+    full = reference(ref_base, heads_dir, PROMPTS[3], max_new_tokens=200)
+    with serving(base_dir, heads_dir) as (server, http):
+        gate = ForwardGate(server.app.state.endpoint.base, at=3)
+        body = json.dumps({"prompt": PROMPTS[3], "max_tokens": 200}).encode()
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as connection:
+            connection.sendall(request + body)
+            assert gate.reached.wait(60)  # decoding, held at its third forward
+        time.sleep(1.0)  # the client has gone: the server hears of it (http.disconnect) and cancels
+        gate.release.set()
+        assert http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1}).status_code == 200
+        gate.handle.remove()
+    assert gate.calls - 1 < full.base_forwards // 2

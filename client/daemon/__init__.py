@@ -224,8 +224,8 @@ class ClientDaemon:
                 except FedLookaheadError as exc:
                     raise DaemonError(f"local generation endpoint: {exc}") from None
                 self.emit(
-                    f"local generation endpoint on {endpoint.url} (OpenAI-compatible /v1/completions, "
-                    "/v1/chat/completions)"
+                    f"local generation endpoint on {endpoint.url}/v1 (OpenAI-compatible /v1/completions, "
+                    f"/v1/chat/completions; {endpoint.app.state.endpoint.describe()})"
                 )
                 self._write_status("starting", serve_url=endpoint.url)
             while not self.stopping.is_set():
