@@ -284,7 +284,10 @@ def format_status(status: dict) -> str:
     for name, path in status["paths"].items():
         size = status["sizes"].get(name.split(" ")[0])
         lines.append(f"  {name:<{width}}  {path}" + (f"  ({_mb(size)})" if size else ""))
-    lines.append(f"generate with the newest heads: {status['generate']}")
+    if heads:
+        lines.append(f"generate with the newest heads: {status['generate']}")
+    else:  # nothing to speed generation up with yet: no command that would only decode plainly
+        lines.append("generate: after the first round delivers heads (`fedla generate` without heads decodes plainly)")
     if status["endpoint_running"]:
         lines.append(f"local endpoint (running): {status['endpoint']}")
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,7 @@ import torch
 import typer
 
 from common.base import BaseModel, prompt_ids
-from common.cli_shared import BASE_HELP, DTYPE_HELP, check_output_path, fail, open_base
+from common.cli_shared import BASE_HELP, BENCH_DTYPE_HELP, DTYPE_HELP, check_output_path, fail, open_base
 from common.errors import FedLookaheadError
 from common.training import DEFAULT_DRAFT_VOCAB
 
@@ -32,8 +33,19 @@ app = typer.Typer(
 log = logging.getLogger("fedla")
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        typer.echo(f"fedla {version('fedlookahead')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def main(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
@@ -198,13 +210,23 @@ def generate_cmd(
     state_dir: Optional[Path] = typer.Option(
         None, help="A device's state folder (fedla client --state-dir): use its newest global heads."
     ),
-    mode: str = typer.Option("ams", help="ams | greedy | beam | fused"),
+    mode: str = typer.Option(
+        "ams",
+        help="ams: AMS-LD, lossless (heads and prompt lookup draft a tree, the base verifies it in one forward) | "
+        "greedy: the base alone | beam: beam search (transformers' generate; not the greedy text) | fused: the "
+        "seed article's fused lookahead re-ranking (changes the text).",
+    ),
     max_new_tokens: int = typer.Option(128, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; > 0 samples (lossless in ams mode)."),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_p: float = typer.Option(
+        1.0,
+        min=0.0,
+        max=1.0,
+        help="Nucleus sampling: keep the smallest set of tokens with this much probability (with --temperature > 0).",
+    ),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     no_guard: bool = typer.Option(False, "--no-guard", help="Switch off the repetition (degeneration) guard."),
-    seed: Optional[int] = typer.Option(None),
+    seed: Optional[int] = typer.Option(None, help="Seed of sampling: the same seed gives the same text."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     compiled: bool = typer.Option(
@@ -214,10 +236,13 @@ def generate_cmd(
         "pays on a GPU, not on a CPU; the first call compiles (a minute or more).",
     ),
 ) -> None:
-    """Generate text with AMS-LD (or a baseline mode); prints the text, then tokens/s and tau."""
+    """Generate text with AMS-LD (or a baseline mode): prints the text as it is accepted, then tokens/s and tau
+    on stderr. Ctrl-C stops it and keeps the text printed so far."""
+    import threading
     import warnings
 
     from common.decoding import MODES, generate
+    from common.decoding.streaming import StreamingStopper, TextStream
 
     if mode not in MODES:
         fail(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -229,10 +254,21 @@ def generate_cmd(
         prompt = prompt_file.read_text(errors="replace")
     if not prompt:
         fail("empty prompt")
+
+    def show(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    shown: TextStream | None = None
     try:
         model = open_base(base, device, dtype)
         ids = prompt_ids(model, prompt, chat)
         draft_heads = _decoding_heads(heads, model, mode, state_dir)
+        shown = TextStream(model.tokenizer, (), show)  # the stop string stays in the text, as in transformers
+        room = model.max_positions - len(ids)
+        stopper = StreamingStopper(
+            model, max_new_tokens, stop, not no_guard, room, on_tokens=shown.update, cancelled=threading.Event()
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = generate(
@@ -243,22 +279,28 @@ def generate_cmd(
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
-                stop_strings=stop,
-                degeneration_guard=not no_guard,
                 seed=seed,
                 compiled=compiled,
+                stopper=stopper,
             )
         for warning in caught:
             if draft_heads is not None or mode not in ("ams", "fused"):
                 typer.echo(f"warning: {warning.message}", err=True)
     except FedLookaheadError as exc:
         fail(str(exc))
-    typer.echo(result.text)
+    except KeyboardInterrupt:
+        typer.echo("")
+        kept = len(shown.sent) if shown is not None else 0
+        typer.echo(f"interrupted: the {kept} characters above are what was generated", err=True)
+        raise typer.Exit(code=130) from None
+    shown.finish(result.text)
+    typer.echo("")  # the text's own end, then the stats
     plain = result.stats.get("plain_steps", 0)
     typer.echo(
         f"[{result.mode}] {len(result.tokens)} tokens in {result.seconds:.2f}s: "
         f"{result.tokens_per_s:.1f} tokens/s, tau {result.tau:.2f} (stop: {result.stop_reason})"
-        + (f"; {plain} of {result.stats.get('steps', 0)} steps drafted nothing (no tree paid)" if plain else "")
+        + (f"; {plain} of {result.stats.get('steps', 0)} steps drafted nothing (no tree paid)" if plain else ""),
+        err=True,
     )
 
 
@@ -274,7 +316,7 @@ def bench_decode_cmd(
     max_new_tokens: int = typer.Option(128, min=1),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    dtype: str = typer.Option("auto", help=BENCH_DTYPE_HELP),
     threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
     modes: str = typer.Option(
         "hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
@@ -334,5 +376,25 @@ def plug_in(root: typer.Typer) -> None:
 
 plug_in(app)
 
+
+def run() -> None:
+    """The `fedla` console script: the Typer app, with a usage error (a bad option value, a missing
+    argument) said in one line instead of Rich's box."""
+    import click
+
+    try:
+        code = typer.main.get_command(app).main(standalone_mode=False)
+    except click.UsageError as exc:
+        hint = f"; see `{exc.ctx.command_path} --help`" if exc.ctx is not None else ""
+        typer.echo(f"error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.Abort:  # Ctrl-C outside a command's own handling
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    run()

@@ -28,9 +28,10 @@ def fail(message: str) -> NoReturn:
 DTYPES = {"auto": None, **base_dtypes, "int8": torch.float32}  # int8: linear layers in int8, the rest fp32
 DTYPE_HELP = (
     "auto (fp32 on CPU, bf16/fp16 on CUDA) | fp32 | bf16 | fp16 | int8 (CPU: int8 linear layers, "
-    "exact integer products). The baselines run on the same weights, and losslessness is judged "
-    "against the base in that format."
+    "exact integer products; said when it is not faster than fp32 here). The output is the base's own "
+    "greedy output in that format."
 )
+BENCH_DTYPE_HELP = DTYPE_HELP + " The baselines run on the same weights, and losslessness is judged against them."
 BASE_HELP = "Base model: a Hugging Face model directory, or `smollm2` (the default) / `toy` by name."
 
 

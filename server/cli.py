@@ -73,7 +73,9 @@ def server_cmd(
     register: list[Path] = typer.Option(
         [], help="SuperNode public key (.pub) or folder of them to authorise (repeatable)."
     ),
-    run_config: str = typer.Option("", help="Run config overrides, `k=v ...` (keys of [tool.flwr.app.config])."),
+    run_config: str = typer.Option(
+        "", help="Run config overrides, `k=v ...` (keys of the app config in pyproject.toml)."
+    ),
     state_dir: Optional[Path] = typer.Option(
         None, help="SuperLink database, FLWR_HOME, logs (default: <cache>/server)."
     ),

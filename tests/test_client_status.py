@@ -145,6 +145,16 @@ def test_status_of_an_untrusted_ledger_fails_closed(tmp_path):
     assert missing.exit_code == 2 and missing.stderr.strip().startswith("error: state folder not found")
 
 
+def test_status_of_a_device_without_heads_suggests_no_plain_generate(tmp_path):
+    """Issue 30 item 4: with no heads yet, status suggested a generate command that could only decode plainly."""
+    state = tmp_path / "state"
+    save_ledger(Ledger(state, runs={"r": PrivacyState("r", 1.0, HISTORY)}))
+    result = CliRunner().invoke(app, ["client", "status", "--state-dir", str(state)])
+    assert "heads: none kept yet" in result.stdout
+    assert "generate with the newest heads" not in result.stdout
+    assert "generate: after the first round delivers heads" in result.stdout
+
+
 def test_generate_uses_the_daemons_heads(device, tiny_base_dir, monkeypatch, tmp_path):
     state = device["state"]
     args = [
@@ -161,7 +171,7 @@ def test_generate_uses_the_daemons_heads(device, tiny_base_dir, monkeypatch, tmp
     runner = CliRunner()
     result = runner.invoke(app, args + ["--state-dir", str(state)])
     assert result.exit_code == 0, result.output
-    assert "[ams]" in result.stdout
+    assert "[ams]" in result.stderr  # the stats line; the text is on stdout
     assert f"heads: {state / 'heads' / 'latest'} -> {state.resolve() / 'heads' / 'run-8-v2'} (v2" in result.stderr
     # by default: the daemon's default state folder under $FEDLA_HOME (nothing published, no $FEDLA_HEADS)
     home = tmp_path / "home"

@@ -841,6 +841,42 @@ def test_cli_generate(tiny_base_dir, cli_heads, tmp_path, monkeypatch):
     assert result.exit_code == 2 and "unknown device" in result.output
 
 
+def test_cli_generate_streams_the_text_and_keeps_it_on_ctrl_c(tiny_base_dir, cli_heads, monkeypatch):
+    """The text goes to stdout as the decoder accepts it, the stats line to stderr; Ctrl-C keeps what was shown."""
+    from common.decoding import streaming
+
+    runner = CliRunner()
+    command = ["generate", "--base", str(tiny_base_dir), "--device", "cpu", "--max-new-tokens", "12"]
+    command += ["--prompt", "def add(a, b):", "--heads", str(cli_heads), "--no-guard"]
+    shown: list[str] = []
+    real_update = streaming.TextStream.update
+
+    def spy(self, tokens):
+        before = self.sent
+        real_update(self, tokens)
+        if self.sent != before:
+            shown.append(self.sent[len(before) :])
+
+    monkeypatch.setattr(streaming.TextStream, "update", spy)
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert len(shown) > 1  # printed in pieces while decoding, not once at the end
+    assert "tokens/s" in result.stderr and "tokens/s" not in result.stdout
+    assert result.stdout.startswith("".join(shown)) and result.stdout.strip()
+
+    def interrupted(self, tokens):
+        real_update(self, tokens)
+        if len(tokens) >= 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming.TextStream, "update", interrupted)
+    result = runner.invoke(app, command)
+    assert result.exit_code == 130
+    assert "interrupted: the " in result.stderr and "characters above are what was generated" in result.stderr
+    kept = int(result.stderr.split("interrupted: the ")[1].split()[0])
+    assert len(result.stdout) == kept + 1 and result.stdout.endswith("\n")  # the text shown, then a line end
+
+
 def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

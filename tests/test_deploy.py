@@ -567,7 +567,7 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
             env={**{k: v for k, v in os.environ.items() if k != "FEDLA_HEADS"}, "FEDLA_HOME": str(homes[0])},
         )
         assert generated.returncode == 0, generated.stderr
-        assert "[ams]" in generated.stdout and "falling back" not in generated.stderr
+        assert "[ams]" in generated.stderr and "falling back" not in generated.stderr
         assert (homes[0] / "heads" / "latest").resolve() == latest_heads(states[0])[0]
 
         # the SuperLink went away with the run; a new one on the same port and database: daemons reconnect

@@ -300,3 +300,41 @@ def test_cli_generate_refuses_text_that_is_not_unicode_and_an_oversized_seed_in_
     )
     result = runner.invoke(app, command + ["--prompt", "x", "--temperature", "0.8", "--seed", str(2**70)])
     assert result.exit_code == 2 and result.output.strip().startswith("error: seed must be an integer from -2**63")
+
+
+def test_the_cli_says_its_version_and_explains_its_options():
+    """Issue 30 item 4: no --version; "keys of )." where Rich read a [table] name as markup; --top-p and --seed
+    without help; beam and fused unexplained."""
+    from importlib.metadata import version
+
+    runner = CliRunner()
+
+    def help_text(*command: str) -> str:  # Rich's boxes unwrapped into one line of words
+        return " ".join(runner.invoke(app, [*command, "--help"]).output.replace("\u2502", " ").split())
+
+    assert runner.invoke(app, ["--version"]).output.strip() == f"fedla {version('fedlookahead')}"
+    server_help = help_text("server")
+    assert "keys of the app config in pyproject.toml" in server_help and "keys of )" not in server_help
+    generate_help = help_text("generate")
+    for said in ("Nucleus sampling", "the same seed gives the same text", "beam search", "re-ranking", "lossless"):
+        assert said in generate_help, said
+    assert "baselines" not in generate_help  # generate has no baselines; bench-decode's help says so
+    assert "baselines" in help_text("bench-decode")
+
+
+def test_a_bad_option_value_is_one_line_from_the_installed_command(tiny_base_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    fedla = str(Path(sys.executable).parent / "fedla")
+    result = subprocess.run(
+        [fedla, "generate", "--base", str(tiny_base_dir), "--prompt", "x", "--max-new-tokens", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith("error: Invalid value for '--max-new-tokens': -1 is not in the range x>=1")
+    assert "see `fedla generate --help`" in result.stderr
