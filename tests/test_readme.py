@@ -1,0 +1,81 @@
+"""Every command the README shows exists and takes the options it is shown with (issue 30 item 6)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from common.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    """The command lines inside the README's code blocks (comments and shell redirections cut off)."""
+    lines, inside = [], False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        command = re.split(r"\s{2,}#|\s+[|>&]", line.strip())[0].strip()
+        if inside and command.split(" ")[:1] in (["fedla"], ["python"], ["make"]):
+            lines.append(command)
+    return lines
+
+
+def options_of(words: list[str]) -> set[str]:
+    return {word.split("=")[0] for word in words if word.startswith("--")}
+
+
+def unwrapped(text: str) -> str:
+    return " ".join(text.replace("\u2502", " ").split())
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_shows_commands():
+    assert any(c.startswith("make demo") for c in COMMANDS) and any(c.startswith("make test") for c in COMMANDS)
+    assert sum(c.startswith("fedla ") for c in COMMANDS) >= 5
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.startswith("fedla ")])
+def test_each_fedla_command_in_the_readme_parses(command):
+    words = [re.sub(r"<[^>]+>", "x", w) for w in shlex.split(command)[1:]]
+    path = []  # the subcommand words: the plain words before the first option
+    for word in words:
+        if word.startswith("-"):
+            break
+        path.append(word)
+    runner = CliRunner()
+    for depth in range(len(path), 0, -1):  # the longest prefix of plain words that is a command
+        result = runner.invoke(app, [*path[:depth], "--help"])
+        if result.exit_code == 0:
+            break
+    assert result.exit_code == 0, (command, result.output)
+    shown = unwrapped(result.output)
+    for option in options_of(words):
+        assert option in shown, f"{command}: {option} is not an option of `fedla {' '.join(path[:depth])}`"
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.startswith("python -m ")])
+def test_each_python_module_in_the_readme_runs_its_help(command):
+    words = shlex.split(command)
+    result = subprocess.run(
+        [sys.executable, "-m", words[2], "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, (command, result.stderr[-500:])
+    for option in options_of(words[3:]):
+        assert option in result.stdout, f"{command}: {option} is not an option of {words[2]}"
+
+
+def test_each_make_target_in_the_readme_exists():
+    targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), flags=re.M))
+    for command in (c for c in COMMANDS if c.startswith("make ")):
+        assert command.split()[1] in targets, command
