@@ -30,7 +30,8 @@ the newest global heads; without usable heads it is plain decoding (usage.mode s
   copied in later is picked up) or the queue is full.
 
 - Logprobs are the base's own: one teacher-forced base forward over the prompt and the answer, so
-  they are the logits greedy decoding itself follows (lossless, like the text). `echo` puts the
+  they are the logits greedy decoding itself follows (lossless, like the text). Each token is decoded
+  alone, so a token holding part of a UTF-8 character shows as U+FFFD. `echo` puts the
   prompt in front of the text (and its tokens in logprobs); `suffix` asks for fill-in-the-middle, which
   needs the base's tokenizer to have `<fim_prefix>`, `<fim_suffix>` and `<fim_middle>`.
 - A field the endpoint cannot honour (tools, response_format other than text, logit_bias,

@@ -425,7 +425,8 @@ def test_logprobs_are_the_bases_own(sdk, ref_base, heads_dir):
     expected = reference(ref_base, heads_dir, PROMPTS[0])
     completion = sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, logprobs=2)
     logprobs = completion.choices[0].logprobs
-    assert "".join(logprobs.tokens) == expected.text and len(logprobs.tokens) == len(expected.tokens)
+    decode = ref_base.tokenizer.decode
+    assert logprobs.tokens == [decode([t]) for t in expected.tokens]  # one entry per token, as the base split it
     ids = prompt_ids(ref_base, PROMPTS[0], False).tolist() + list(expected.tokens)
     with torch.no_grad():
         logp = torch.log_softmax(ref_base.model(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -443,7 +444,9 @@ def test_logprobs_are_the_bases_own(sdk, ref_base, heads_dir):
         model="any", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=8, logprobs=True, top_logprobs=3
     )
     content = chat.choices[0].logprobs.content
-    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    answer = reference(ref_base, heads_dir, PROMPTS[1], chat=True, max_new_tokens=8)
+    assert [t.token for t in content] == [decode([t]) for t in answer.tokens]
+    assert all(t.bytes == list(t.token.encode("utf-8")) for t in content)
     assert all(
         len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6) for t in content
     )
