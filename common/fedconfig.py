@@ -97,7 +97,12 @@ class FedConfig:
 
     # models, outputs
     base_model_dir: str = _knob("", '"": the embedded default base (built on first use)')
-    init_heads: str = _knob("", '"": fresh heads; else a saved DraftHeads folder')
+    init_heads: str = _knob(
+        "public",
+        '"public": heads trained once on public code (cached per base) | "fresh": untrained heads | '
+        "a saved DraftHeads folder",
+    )
+    public_heads_minutes: float = _knob(3.0, 'init-heads="public": training budget of those heads (the first time)')
     run_dir: str = _knob("runs", "runs/<run-id>/ gets summary.json, rounds/, checkpoints/, plot.png")
     run_id: str = _knob("", '"": <UTC time>-<Flower run id>')
     resume_from: str = _knob("", "a previous run folder: continue after its last checkpoint")
@@ -210,6 +215,10 @@ class FedConfig:
         ):
             if value not in allowed:
                 raise FedLookaheadError(f"unknown {key} {value!r}: use one of {allowed}")
+        if not self.init_heads:
+            raise FedLookaheadError('init-heads must be "public", "fresh" or a heads folder, got ""')
+        if not self.public_heads_minutes > 0:
+            raise FedLookaheadError(f"public-heads-minutes must be positive, got {self.public_heads_minutes}")
         if not (math.isfinite(self.update_max_norm) and self.update_max_norm >= 0):
             raise FedLookaheadError(f"update-max-norm must be a finite number >= 0, got {self.update_max_norm}")
         if self.dp and self.dp_level == "user" and not self.update_max_norm > 0:

@@ -3,7 +3,7 @@
 Where each job lives: the reply guard in server/guard.py, one round (train exchange through Flower's
 SecAgg+ or plain FedAvg workflow, aggregation, evaluations) in server/rounds.py, server and client
 evaluation in server/evaluation.py, and everything written about the run in server/recorder.py. This
-module owns the run: the base and the starting heads (fresh, init-heads, or a resumed checkpoint),
+module owns the run: the base and the starting heads (public, fresh, a heads folder, or a resumed checkpoint),
 the up-front checks Flower does not make, and the loop.
 """
 
@@ -40,6 +40,12 @@ from server.store import RunStore
 log = logging.getLogger(
     "flwr.fedla.server"
 )  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
+
+
+FRESH_DP_VERDICT = (
+    "DP from fresh heads is not expected to learn: untrained heads under DP-SGD ended at head-1 accuracy 0.04 "
+    'after 2 rounds of 2 clients (issue 30); init-heads="public" starts from heads trained on public code'
+)
 
 
 def wait_for_nodes(grid: Grid, config: FedConfig) -> list[int]:
@@ -116,7 +122,7 @@ def run_store_url(config: FedConfig) -> str:
 
 
 def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tuple[Path, str, DraftHeads, int]:
-    """(run folder, run id, heads, first round): a resumed run's last checkpoint, init-heads, or fresh heads."""
+    """(run folder, run id, heads, first round): a resumed run's last checkpoint, else what init-heads says."""
     if config.resume_from:
         run_dir = Path(config.resume_from).expanduser().resolve()
         if not run_dir.is_dir():
@@ -137,12 +143,18 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
             + (f" (the newest: {problems[0]})" if problems else "")
         )
     run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
-    if config.init_heads:
-        heads = DraftHeads.load(config.init_heads, base)
-    else:  # fresh heads still score only a public draft vocabulary: the full LM head makes DP training ~6x slower
+    if config.init_heads == "public":  # DP from untrained heads does not learn in a small run (common/public_heads.py)
+        from common.public_heads import ensure_public_heads
+
+        folder = ensure_public_heads(base, config.num_heads, config.chunk_len, config.public_heads_minutes)
+        heads = DraftHeads.load(folder, base)
+        log.info("starting from the public heads in %s", folder)
+    elif config.init_heads == "fresh":  # still a public draft vocabulary: the full LM head makes DP ~6x slower
         heads = DraftHeads.fresh(
             base, config.num_heads, draft_vocab=public_draft_vocab(base, DEFAULT_DRAFT_VOCAB, seed=config.seed)
         )
+    else:
+        heads = DraftHeads.load(config.init_heads, base)
     if heads.num_heads != config.num_heads:
         raise FedLookaheadError(f"init-heads has {heads.num_heads} heads but num-heads is {config.num_heads}")
     return Path(config.run_dir).expanduser().resolve() / run_id, run_id, heads, 1
@@ -161,6 +173,9 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             recorder.reconcile(start_round - 1)
         nodes = wait_for_nodes(grid, config)
         plan = check_federation(config, len(nodes))
+        if config.dp and config.init_heads == "fresh" and start_round == 1:  # the plan says so before a run
+            plan["verdict"] = FRESH_DP_VERDICT
+            log.warning(FRESH_DP_VERDICT)
         if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)
             from server.user_dp import plan_user_dp
 

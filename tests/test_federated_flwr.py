@@ -44,6 +44,7 @@ def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeyp
         "run-id": "flwr-e2e",
         "secagg": True,
         "dp": True,
+        "public-heads-minutes": 0.05,  # the default init-heads="public": trained once, here in seconds
     }
     link = SuperLink.for_simulation(flwr_home=tmp_path / "flwr-home", log_dir=tmp_path, cwd=REPO)
     with link:
@@ -58,6 +59,9 @@ def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeyp
         port, started = link.port, link.pids()
     log = (tmp_path / "flwr-run.log").read_text()
     assert code == 0, log[-3000:]
+    # issue 30 item 5: a first federated run starts from heads trained on public code, built once
+    [public] = (tmp_path / "fedla-home" / "heads").glob("public-*-k2-c32-m0.05")
+    assert "starting from the public heads in" in log and str(public) in log
     # everything this test started is gone: SuperLink, SuperExec, simulation, Ray workers
     assert not [pid for pid in started if alive(pid)]
     with pytest.raises(httpx.HTTPError):

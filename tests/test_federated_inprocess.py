@@ -52,6 +52,7 @@ def run_config(tiny_base_dir, tmp_path):
         "eval-max-new-tokens": 0,
         "fraction-evaluate": 0.5,
         "run-dir": str(tmp_path / "runs"),
+        "init-heads": "fresh",
     }
 
 

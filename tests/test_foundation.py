@@ -338,3 +338,23 @@ def test_a_bad_option_value_is_one_line_from_the_installed_command(tiny_base_dir
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith("error: Invalid value for '--max-new-tokens': -1 is not in the range x>=1")
     assert "see `fedla generate --help`" in result.stderr
+
+
+def test_public_heads_are_trained_once_per_base_and_setting(tiny_base, tmp_path, monkeypatch, capsys):
+    """Issue 30 item 5: `flwr run .` with its defaults trained DP heads from scratch (head-1 accuracy 0.04); now
+    init-heads="public" starts from heads trained on public code, built once and then reused."""
+    from common.fedconfig import FedConfig
+    from common.heads import WEIGHTS_FILE
+    from common.public_heads import ensure_public_heads
+
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path))
+    folder = ensure_public_heads(tiny_base, 2, 32, 0.02)
+    assert "training them once" in capsys.readouterr().out
+    stamp = (folder / WEIGHTS_FILE).stat().st_mtime_ns
+    assert ensure_public_heads(tiny_base, 2, 32, 0.02) == folder
+    assert (folder / WEIGHTS_FILE).stat().st_mtime_ns == stamp and "training" not in capsys.readouterr().out
+    assert DraftHeads.load(folder, tiny_base).num_heads == 2
+    assert not list(folder.parent.glob(".*")) and folder.parent == tmp_path / "heads"
+    assert FedConfig.from_mapping({}).init_heads == "public"
+    with pytest.raises(FedLookaheadError, match='init-heads must be "public", "fresh" or a heads folder'):
+        FedConfig.from_mapping({"init-heads": ""})

@@ -197,6 +197,7 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
         "eval-max-new-tokens": 0,
         "fraction-evaluate": 0.0,
         "run-dir": str(tmp_path / "runs"),
+        "init-heads": "fresh",
         "dp-level": "user",
         "update-max-norm": clip,
         "dp-target-epsilon": 8.0,
