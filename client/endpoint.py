@@ -505,9 +505,17 @@ def _completion_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     return {
         "tokens": [item.token for item in logprobs],
         "token_logprobs": [item.logprob for item in logprobs],
-        "top_logprobs": [dict(item.top) if item.logprob is not None else None for item in logprobs],
+        "top_logprobs": [_by_token(item.top) if item.logprob is not None else None for item in logprobs],
         "text_offset": offsets,
     }
+
+
+def _by_token(top: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    """OpenAI's {token: logprob}; two tokens that decode alike (parts of one character) keep the likelier."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(token, logprob)
+    return out
 
 
 def _chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:

@@ -433,7 +433,8 @@ def test_logprobs_are_the_bases_own(sdk, ref_base, heads_dir):
     start = len(ids) - len(expected.tokens)
     for k, (token_logprob, top) in enumerate(zip(logprobs.token_logprobs, logprobs.top_logprobs)):
         assert token_logprob == pytest.approx(float(logp[start + k - 1, ids[start + k]]), abs=1e-4)
-        assert len(top) == 2 and max(top.values()) == pytest.approx(token_logprob, abs=1e-6)
+        # two top tokens may decode alike (parts of one UTF-8 character): the dict keeps the likelier
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(token_logprob, abs=1e-6)
     echoed = sdk.completions.create(model="any", prompt=PROMPTS[0], max_tokens=4, echo=True, logprobs=0)
     assert echoed.choices[0].text.startswith(PROMPTS[0])
     assert echoed.choices[0].logprobs.token_logprobs[0] is None  # nothing predicts the first prompt token
