@@ -50,6 +50,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 from flwr.serverapp.grid import Grid
+from flwr.supercore.differential_privacy import get_norm
 from flwr.supercore.run import Run
 
 from common.fedconfig import FedConfig
@@ -83,6 +84,7 @@ class ExchangeLog:
     aggregate_note: str = ""
     induced_failures: list[int] = field(default_factory=list)
     update_norms: dict[int, float] = field(default_factory=dict)  # node -> L2 distance of its plain update
+    update_bound: float = 0.0  # the round's L2 bound on an update (FedConfig.update_bound), set by the guard
 
 
 def array_record_bytes(record: ArrayRecord) -> int:
@@ -128,7 +130,7 @@ class GuardedGrid(Grid):
         self.default_timeout = default_timeout
         self.current = current  # the heads this round sent: a plain update farther than the bound is refused
         self.secagg = SecAggWitness()
-        self.update_bound = config.update_bound(sum(math.prod(shape) for _, shape in shapes))
+        exchange.update_bound = config.update_bound(sum(math.prod(shape) for _, shape in shapes))
 
     # -- delegation
     def set_run(self, run: Run) -> None:
@@ -291,19 +293,18 @@ class GuardedGrid(Grid):
                 raise ReplyError(reason)
             if self.current is not None and not reply.skipped:
                 distance = update_distance(arrays, self.current)
-                if distance > self.update_bound * (1 + 1e-6):
+                if distance > self.exchange.update_bound * (1 + 1e-6):
                     raise ReplyError(
-                        f"update norm {distance:.4g} above the bound {self.update_bound:.4g} (update-max-norm)"
+                        f"update norm {distance:.4g} above the bound {self.exchange.update_bound:.4g} (update-max-norm)"
                     )
                 self.exchange.update_norms[node] = distance
         self.exchange.checked[node] = reply
 
 
 def update_distance(arrays: list[np.ndarray], reference: list[np.ndarray]) -> float:
-    """The L2 norm of `arrays - reference` over every tensor (the norm Flower's fixedclipping_mod clips)."""
-    return math.sqrt(
-        sum(float(np.sum((a.astype(np.float64) - r.astype(np.float64)) ** 2)) for a, r in zip(arrays, reference))
-    )
+    """The L2 norm of `arrays - reference` over every tensor: Flower's `get_norm`, the one its
+    fixedclipping_mod clips by on the clients."""
+    return get_norm([np.subtract(a, r) for a, r in zip(arrays, reference)])
 
 
 def short_reason(reason: str, limit: int = 300) -> str:

@@ -213,10 +213,9 @@ class HeadsStrategy(Strategy):
             failing = {c.node_id for c in self.rng.sample(clients, count)}
             log_.induced_failures = sorted(failing)
         instructions = []
-        bound = self.config.update_bound(sum(math.prod(shape) for _, shape in self.shapes))
         for client in clients:
-            # honest clients clip their update to the bound (Flower's fixedclipping_mod, client/client_app.py)
-            config = dict(self.fit_config, **{ROUND_KEY: server_round, KEY_CLIPPING_NORM: bound})
+            # honest clients clip their update to the guard's bound (Flower's fixedclipping_mod, client/client_app.py)
+            config = dict(self.fit_config, **{ROUND_KEY: server_round, KEY_CLIPPING_NORM: log_.update_bound})
             if client.node_id in failing:
                 config[FAIL_KEY] = True
             instructions.append((client, FitIns(parameters, config)))
@@ -378,15 +377,14 @@ def _round_record(
         server_eval_seconds=server_eval_seconds,
         client_eval_seconds=client_eval_seconds,
         client_train_seconds=sum(r.train_seconds for r in replies.values()),
-        update_norm=_update_norm_summary(exchange, config, heads),
+        update_norm=_update_norm_summary(exchange, config),
     )
 
 
-def _update_norm_summary(exchange: ExchangeLog, config: FedConfig, heads: DraftHeads) -> dict[str, Any]:
+def _update_norm_summary(exchange: ExchangeLog, config: FedConfig) -> dict[str, Any]:
     """The round's update bound and, in plain rounds (where the server sees updates), their median and max."""
-    bound = config.update_bound(sum(math.prod(shape) for _, shape in expected_shapes(heads)))
     norms = sorted(exchange.update_norms.values())
-    summary: dict[str, Any] = {"bound": bound, "checked": not config.secagg}
+    summary: dict[str, Any] = {"bound": exchange.update_bound, "checked": not config.secagg}
     if norms:
         summary.update(median=norms[len(norms) // 2], max=norms[-1])
     return summary
