@@ -358,9 +358,13 @@ class Endpoint:
         emit: Callable[[Event], None],
         stream: bool,
         cancelled: threading.Event,
+        suffix: str = "",
     ) -> Completion:
-        """One request, start to end, in the worker thread; emits start (and, streaming, text deltas)."""
+        """One request, start to end, in the worker thread; emits start (and, streaming, text deltas).
+        `suffix`: fill in the middle between the (text) prompt and it."""
         base = self.load()
+        if suffix:
+            prompt = fill_in_the_middle(base, str(prompt), suffix)
         ids = prompt_token_ids(base, prompt)
         if not ids:
             raise FedLookaheadError("the prompt is empty after tokenization")
@@ -617,14 +621,11 @@ def create_endpoint_app(
             prompt = prompt[0]
         if not prompt:
             return _error(400, "prompt: empty prompt", "invalid_request_error", "invalid_value")
-        if request.suffix:
-            try:
-                prompt = fill_in_the_middle(endpoint.load(), prompt, request.suffix)
-            except FedLookaheadError as exc:
-                return _error_response(exc)
         sampling = _sampling(request, request.max_tokens, request.logprobs, request.echo)
-        echo = request.prompt if request.echo and isinstance(request.prompt, str) else ""
-        return await _answer(endpoint, prompt, sampling, request.stream, chat=False, http=http, echo=echo)
+        echo = prompt if request.echo else ""
+        return await _answer(
+            endpoint, prompt, sampling, request.stream, chat=False, http=http, echo=echo, suffix=request.suffix or ""
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: ChatRequest, http: Request) -> JSONResponse | StreamingResponse:
@@ -652,9 +653,10 @@ async def _answer(
     chat: bool,
     http: Request | None = None,
     echo: str = "",
+    suffix: str = "",
 ) -> JSONResponse | StreamingResponse:
     """Queue the request, then answer with one JSON body or an event stream once decoding has started.
-    `echo`: text put in front of the answer (completions' echo)."""
+    `echo`: text put in front of the answer (completions' echo); `suffix`: fill-in-the-middle's end."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
     cancelled = threading.Event()
@@ -666,7 +668,7 @@ async def _answer(
         if cancelled.is_set():  # its client left while it waited in the queue
             return
         try:
-            emit(("done", endpoint.complete(prompt, sampling, emit, stream, cancelled)))
+            emit(("done", endpoint.complete(prompt, sampling, emit, stream, cancelled, suffix)))
         except Exception as exc:  # every failure becomes the request's error response
             emit(("error", exc))
 
