@@ -149,6 +149,12 @@ class FedConfig:
         return self.dp_planned_rounds or self.num_server_rounds
 
     @property
+    def epsilon_budget(self) -> float | None:
+        """The epsilon each client may spend in this run: the target sigma is calibrated to. None without DP,
+        and with a fixed dp-noise-multiplier, where epsilon is whatever that sigma accumulates."""
+        return self.dp_target_epsilon if self.dp and self.dp_noise_multiplier <= 0 else None
+
+    @property
     def weight_cap(self) -> int:
         """The largest aggregation weight of one client: the most train chunks an honest client can have
         (max-chunks-per-client, 0: unbounded), never above secagg-max-weight, and at least 1 so that a

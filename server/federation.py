@@ -47,6 +47,26 @@ FRESH_DP_VERDICT = (
     'after 2 rounds of 2 clients (issue 30); init-heads="public" starts from heads trained on public code'
 )
 
+NO_DP_VERDICT = "No DP: the clients' updates carry no privacy guarantee"
+
+
+def privacy_plan(config: FedConfig, start_round: int) -> dict[str, Any]:
+    """What the run may spend and whether DP is expected to learn, known before round 1 (run.json's plan,
+    the dashboard's privacy card). A verdict of None: no forecast for this setting."""
+    verdict = None
+    if not config.dp:
+        verdict = NO_DP_VERDICT
+    elif config.init_heads == "fresh" and start_round == 1:
+        verdict = FRESH_DP_VERDICT
+    return {
+        "dp": config.dp,
+        "level": config.dp_level if config.dp else None,
+        "epsilon_budget": config.epsilon_budget,
+        "delta": config.dp_delta if config.dp else None,
+        "planned_rounds": config.planned_rounds,
+        "verdict": verdict,
+    }
+
 
 def wait_for_nodes(grid: Grid, config: FedConfig) -> list[int]:
     """Node ids once min-available-clients are connected; a clear error instead of Flower's silent wait."""
@@ -173,8 +193,8 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             recorder.reconcile(start_round - 1)
         nodes = wait_for_nodes(grid, config)
         plan = check_federation(config, len(nodes))
-        if config.dp and config.init_heads == "fresh" and start_round == 1:  # the plan says so before a run
-            plan["verdict"] = FRESH_DP_VERDICT
+        plan["privacy"] = privacy_plan(config, start_round)
+        if plan["privacy"]["verdict"] == FRESH_DP_VERDICT:  # the plan says so before a run
             log.warning(FRESH_DP_VERDICT)
         if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)
             from server.user_dp import plan_user_dp
@@ -202,6 +222,8 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             }
         )
         server_eval = ServerEval.build(base, config)
+        if start_round == 1:  # heads-only too, as on the last round, so that both ends compare
+            recorder.record_starting_heads(server_eval.run(heads, base, config, heads_only=True))
         client_manager = SimpleClientManager()
         thread, stop, ready = start_update_client_manager_thread(grid, client_manager)
         ready.wait()

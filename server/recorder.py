@@ -103,6 +103,12 @@ class Recorder:
     def describe(self, info: dict[str, Any]) -> None:
         """run.json: what the run is (config, plan, base, head size), written once it is known."""
         (self.run_dir / "run.json").write_text(json.dumps(finite_or_none(info), indent=2))
+        self.store.record_plan(self.run_id, info["plan"])
+
+    def record_starting_heads(self, evaluation: dict[str, Any]) -> None:
+        """The server's evaluation of the heads before round 1 (the dashboard's round-0 point)."""
+        self.store.record_starting_heads(self.run_id, evaluation)
+        log.info("starting heads: %s", json.dumps(finite_or_none(evaluation)))
 
     def record(self, record: RoundRecord, heads: DraftHeads) -> None:
         """The round's checkpoint, round file, store row and summary, and its one log line."""

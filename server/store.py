@@ -58,7 +58,7 @@ FINAL_STATUSES = ("finished", "failed")
 
 # ------------------------------------------------------------------------------------------ schema
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Base(DeclarativeBase):
@@ -81,6 +81,8 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(20), nullable=False)
     config: Mapped[dict] = mapped_column(JSON, nullable=False)
     secagg: Mapped[dict] = mapped_column(JSON, nullable=False)
+    plan: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)  # v4: run.json's plan
+    starting_heads: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)  # v4: server eval before round 1
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     finished_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -186,10 +188,18 @@ def _migrate_2_to_3(conn: Connection) -> None:
     conn.execute(text(f"ALTER TABLE rounds ADD COLUMN seconds {json_type}"))
 
 
+def _migrate_3_to_4(conn: Connection) -> None:
+    """v4: the run's plan (budget, verdict) and its starting heads' evaluation, for the dashboard."""
+    json_type = JSON().compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE runs ADD COLUMN plan {json_type}"))
+    conn.execute(text(f"ALTER TABLE runs ADD COLUMN starting_heads {json_type}"))
+
+
 # target version -> migration from (target - 1); applied in order when a store opens an older database.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     2: _migrate_1_to_2,
     3: _migrate_2_to_3,
+    4: _migrate_3_to_4,
 }
 assert sorted(MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1)), "every version needs its migration"
 
@@ -517,6 +527,23 @@ class RunStore:
                 if attempt:
                     raise
 
+    def record_plan(self, run_id: str, plan: dict) -> None:
+        """The run's plan, known before round 1 (server/federation.py: nodes, SecAgg+, privacy)."""
+        self._set_run_field(run_id, "plan", _json_dict(plan, "plan"))
+
+    def record_starting_heads(self, run_id: str, evaluation: dict) -> None:
+        """The server's evaluation of the heads the run starts from: the point each round's gain is seen against."""
+        self._set_run_field(run_id, "starting_heads", _json_dict(evaluation, "evaluation"))
+
+    def _set_run_field(self, run_id: str, name: str, value: dict) -> None:
+        run_id = _run_id(run_id)
+        with self._session.begin() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                _fail(f"unknown run id {run_id!r}: call start_run first")
+            setattr(run, name, value)
+            run.updated_at = _now()
+
     def record_round(self, run_id: str, record: RoundRecord) -> None:
         """Insert or replace one round's aggregates (keyed by run and round), in one transaction.
 
@@ -666,6 +693,7 @@ class RunStore:
                         "last_train_loss": last.train_loss if last else None,
                         "last_tau": last.tau if last else None,
                         "last_epsilon_max": finite_or_none(last.privacy.epsilon_max) if last and last.privacy else None,
+                        "epsilon_budget": (run.plan or {}).get("privacy", {}).get("epsilon_budget"),
                     }
                 )
             return out
@@ -682,6 +710,8 @@ class RunStore:
                 "status": run.status,
                 "config": run.config,
                 "secagg": run.secagg,
+                "plan": run.plan,
+                "starting_heads": run.starting_heads,
                 "started_at": _iso(run.started_at),
                 "updated_at": _iso(run.updated_at),
                 "finished_at": _iso(run.finished_at),

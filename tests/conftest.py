@@ -10,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from common.base import BaseModel, load_base
-from common.data import read_text, stdlib_files
+from common.data import read_text, stdlib_dir, stdlib_files
 from common.decoding import calibration
 from common.decoding.calibration import CostCurve, calibration_key
 from common.default_model import train_tokenizer
@@ -124,3 +124,27 @@ def tiny_base_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base(tiny_base_dir) -> BaseModel:
     return load_base(tiny_base_dir, device="cpu")
+
+
+@pytest.fixture
+def run_config(tiny_base_dir, tmp_path):
+    """A 1-round federation of the tiny base over stdlib json code, small enough for tests of the real loop."""
+    return {
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 1,
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "lr": 0.01,
+        "min-train-clients": 3,
+        "min-available-clients": 3,
+        "node-wait-seconds": 0.0,
+        "server-eval-chunks": 8,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 0,
+        "fraction-evaluate": 0.5,
+        "run-dir": str(tmp_path / "runs"),
+        "init-heads": "fresh",
+    }

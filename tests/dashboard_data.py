@@ -24,6 +24,14 @@ SECAGG = {
     "modulus_range": 4294967296,
     "timeout": 30.0,
 }
+PRIVACY_PLAN = {
+    "dp": True,
+    "level": "example",
+    "epsilon_budget": 4.0,
+    "delta": 1e-5,
+    "planned_rounds": 20,
+    "verdict": None,
+}
 REJECT_REASONS = [
     "update has non-finite values",
     "stale head version (expected 7, got 6)",
@@ -75,7 +83,13 @@ def fill_realistic_run(
         "base": "default (stdlib Llama, 6 layers)",
     }
     store.start_run(run_id, config, SECAGG)
+    store.record_plan(run_id, {"nodes": 32, "clients_per_round": 8, "privacy": PRIVACY_PLAN})
     ceilings = [0.62, 0.41, 0.29, 0.21, 0.16, 0.12][:num_heads]
+    start = [c * 0.2 for c in ceilings]
+    store.record_starting_heads(
+        run_id,
+        {"head_accuracy": start, "tau": 1 + sum(math.prod(start[: k + 1]) for k in range(num_heads)), "loss": 7.9},
+    )
     for r in range(1, rounds + 1):
         progress = 1 - math.exp(-r / 6)
         acc = [max(0.0, c * (0.25 + 0.75 * progress) + rng.gauss(0, 0.008)) for c in ceilings]

@@ -20,7 +20,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette's note about httpx vs httpx2
     from fastapi.testclient import TestClient
 
-from dashboard_data import SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
+from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
 
 from common.protocol import RoundRecord
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
@@ -53,8 +53,11 @@ def test_api_runs_run_and_rounds(client, filled):
         "run-20": ("finished", 20),
         "run-new": ("running", 0),
     }
+    assert {r["run_id"]: r["epsilon_budget"] for r in runs} == {"run-20": 4.0, "run-new": None}  # no plan yet
     run = client.get("/api/runs/run-20").json()
     assert run["secagg"] == SECAGG and run["config"]["num_rounds"] == 20 and run["num_rounds"] == 20
+    assert run["plan"]["privacy"] == PRIVACY_PLAN and len(run["starting_heads"]["head_accuracy"]) == 4
+    assert client.get("/api/runs/run-new").json()["starting_heads"] is None
     assert run["latest_checkpoint"]["round"] == 20 and run["latest_checkpoint"]["head_version"] == 20
     rounds = client.get("/api/runs/run-20/rounds").json()
     assert [r["round"] for r in rounds] == list(range(1, 21))
@@ -88,6 +91,7 @@ def test_openapi_documents_the_api(client):
         "PrivacyOut",
         "CheckpointOut",
         "PrivacyUtilityOut",
+        "StartingHeadsOut",
     } <= set(spec["components"]["schemas"])
     assert all(set(methods) == {"get"} for methods in spec["paths"].values())
 

@@ -1,5 +1,6 @@
-"""The dashboard in a real headless Chromium: plots render with one point per round, live updates
-arrive by polling, the token travels with every request the page makes."""
+"""The dashboard in a real headless Chromium: plots render with one point per round (and a round-0 point for
+the starting heads), live updates arrive by polling, the token travels with every request the page makes, and
+a real run's page answers "is the federation working, and what has it cost?"."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not in
 
 from dashboard_data import fill_realistic_run, write_privacy_utility  # noqa: E402
 
+from client import client_app as client_module  # noqa: E402
 from common.protocol import RoundRecord  # noqa: E402
 from server.dashboard import create_app  # noqa: E402
+from server.federation import FRESH_DP_VERDICT  # noqa: E402
 from server.store import RunStore  # noqa: E402
+from tests.test_federated_inprocess import run  # noqa: E402
 
 TOKEN = "browser-test-token-0123456789"
-CANVASES = ["chart-loss", "chart-accuracy", "chart-tau", "chart-epsilon", "chart-participation"]
+PER_ROUND = ["chart-loss", "chart-participation", "chart-bytes"]
+FROM_ROUND_0 = ["chart-accuracy", "chart-tau", "chart-epsilon"]  # the starting heads' point first
 ROUNDS = 12
 
 # Pixels of a canvas that are not fully transparent: a rendered chart has thousands.
@@ -45,16 +50,18 @@ def test_run_page_in_chromium(tmp_path):
         page.on("pageerror", lambda exc: errors.append(str(exc)))
 
         page.goto(f"{base_url}/?token={TOKEN}")
+        page.wait_for_selector('body[data-ready="1"]', timeout=20_000)
         assert page.locator('tr[data-run-id="live-run"] a').get_attribute("href") == f"/runs/live-run?token={TOKEN}"
 
         page.goto(run_page_url(base_url, "live-run", TOKEN))
         page.wait_for_selector('body[data-ready="1"]', timeout=20_000)
         assert "never stored" in page.locator("#privacy-note").inner_text()
         assert page.evaluate("window.fedla.pollErrors") == 0 and page.evaluate("document.body.dataset.poll") == "ok"
-        for canvas in CANVASES:
-            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(ROUNDS), canvas
+        for canvas in PER_ROUND + FROM_ROUND_0:
+            points = ROUNDS + (canvas in FROM_ROUND_0)
+            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(points), canvas
             counts = page.evaluate(POINTS, canvas)
-            assert counts["labels"] == ROUNDS and set(counts["points"]) == {ROUNDS}, (canvas, counts)
+            assert counts["labels"] == points and set(counts["points"]) == {points}, (canvas, counts)
             assert page.evaluate(INK, canvas) > 2000, f"{canvas} looks blank"
         # 4 heads, each with a server and a client-side accuracy line.
         assert len(page.evaluate("window.fedla.charts['chart-accuracy'].data.datasets")) == 8
@@ -86,8 +93,8 @@ def test_run_page_in_chromium(tmp_path):
         )
         store.finish_run("live-run", "finished")
         page.wait_for_selector(f'body[data-rounds="{ROUNDS + 1}"]', timeout=10_000)
-        for canvas in CANVASES:
-            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(ROUNDS + 1)
+        for canvas in PER_ROUND + FROM_ROUND_0:
+            assert page.locator(f"#{canvas}").get_attribute("data-rounds") == str(ROUNDS + 1 + (canvas in FROM_ROUND_0))
         assert page.locator("#run-status").inner_text() == "finished"
 
         # The download link carries the token and serves the recorded checkpoint.
@@ -101,6 +108,61 @@ def test_run_page_in_chromium(tmp_path):
         assert hashlib.sha256(heads).hexdigest() == store.latest_checkpoint("live-run")["sha256"]
 
         shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 50_000
+    store.close()
+    assert not errors, errors
+
+
+DATASETS = "id => window.fedla.charts[id].data.datasets.map(d => ({label: d.label, data: d.data}))"
+
+
+def test_a_real_runs_page_says_whether_it_works_and_what_it_cost(run_config, tmp_path):
+    """Two SecAgg+ DP rounds of 3 real ClientApps from fresh heads, through the real ServerApp loop; then its
+    pages in Chromium: the budget line, epsilon spent and left, the round-0 point, traffic per round, the
+    plan's verdict and a readable privacy title."""
+    config = dict(run_config, **{"num-server-rounds": 2, "run-id": "real-run"})
+    run_dir, summary, _ = run(config, client_module.app, nodes=3)
+    store = RunStore(f"sqlite:///{run_dir.parent / 'fedla.db'}", read_only=True)
+    recorded, rounds = store.get_run("real-run"), store.get_rounds("real-run")
+    spent = rounds[-1]["privacy"]["epsilon_max"]
+    assert recorded["plan"]["privacy"]["epsilon_budget"] == 8.0 and 0 < spent <= 8.0
+    errors: list[str] = []
+    with serve_in_thread(create_app(store)) as base_url, chromium_page() as page:
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(base_url + "/")
+        page.wait_for_selector('body[data-ready="1"]', timeout=20_000)
+        cells = page.locator('tr[data-run-id="real-run"] td').all_inner_texts()
+        assert cells[5:7] == [f"{spent:.3f} of 8.00", f"{8.0 - spent:.3f}"], cells
+
+        page.goto(run_page_url(base_url, "real-run"))
+        page.wait_for_selector('body[data-ready="1"]', timeout=20_000)
+        start = recorded["starting_heads"]
+        accuracy = page.evaluate(DATASETS, "chart-accuracy")
+        assert page.evaluate("window.fedla.charts['chart-accuracy'].data.labels") == [0, 1, 2]
+        assert accuracy[0]["label"] == "head 1"
+        assert accuracy[0]["data"] == [start["head_accuracy"][0]] + [r["metrics"]["head_accuracy"][0] for r in rounds]
+        assert page.evaluate(DATASETS, "chart-tau")[0]["data"][0] == start["tau"]
+
+        epsilon = {d["label"]: d["data"] for d in page.evaluate(DATASETS, "chart-epsilon")}
+        assert epsilon["budget ε = 8.00"] == [8.0, 8.0, 8.0]
+        assert epsilon["ε max over clients"] == [0, *(r["privacy"]["epsilon_max"] for r in rounds)]
+        title = page.locator("#chart-epsilon").locator("xpath=../..").locator("figcaption").inner_text()
+        assert title == f"Privacy: ε spent per client (δ = 1e-5, budget 8.00, spent {spent:.3f}, left {8 - spent:.3f})"
+        assert page.locator("#epsilon-left").inner_text() == f"{spent:.3f} of 8.00 · left {8 - spent:.3f}"
+
+        traffic = {d["label"]: d["data"] for d in page.evaluate(DATASETS, "chart-bytes")}
+        assert traffic["heads down"] == [r["bytes"]["down_per_client"] / 1e6 for r in rounds]
+        assert (
+            traffic["update up"] == [r["bytes"]["up_per_client"] / 1e6 for r in rounds] and traffic["update up"][0] > 0
+        )
+        assert page.evaluate(INK, "chart-bytes") > 2000
+
+        assert page.locator("#plan-verdict").inner_text() == FRESH_DP_VERDICT  # fresh heads under DP
+        glance = page.locator("#glance").inner_text()
+        assert glance.startswith("Since the starting heads, after round 2: head-1 accuracy ")
+        assert f"ε {spent:.3f} of 8.00" in glance
+        shot = tmp_path / "real-run.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 50_000
     store.close()

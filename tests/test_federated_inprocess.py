@@ -21,7 +21,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from client import client_app as client_module
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
 from client.privacy import epsilon_of
-from common.data import stdlib_dir
 from common.errors import FedLookaheadError
 from common.fedconfig import FedConfig
 from common.heads import DraftHeads
@@ -31,29 +30,6 @@ from tests.conftest import LOOPBACK_URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
 from simulations.inprocess import InProcessGrid  # noqa: E402
-
-
-@pytest.fixture
-def run_config(tiny_base_dir, tmp_path):
-    return {
-        "base-model-dir": str(tiny_base_dir),
-        "data-source": str(stdlib_dir() / "json"),
-        "num-server-rounds": 1,
-        "chunk-len": 32,
-        "max-chunks-per-client": 12,
-        "num-heads": 2,
-        "batch-size": 4,
-        "lr": 0.01,
-        "min-train-clients": 3,
-        "min-available-clients": 3,
-        "node-wait-seconds": 0.0,
-        "server-eval-chunks": 8,
-        "eval-prompts": 1,
-        "eval-max-new-tokens": 0,
-        "fraction-evaluate": 0.5,
-        "run-dir": str(tmp_path / "runs"),
-        "init-heads": "fresh",
-    }
 
 
 def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None) -> ClientApp:
@@ -493,11 +469,14 @@ def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tm
     )
     first_dir, first, _ = run(dict(config, **{"num-server-rounds": 1}), recording_app({}))
     assert [r["round"] for r in first["rounds"]] == [1]
+    starting_heads = first["run"]["starting_heads"]
+    assert len(starting_heads["head_accuracy"]) == 2 and "tau_heads_only" in starting_heads
     # a new federation (fresh contexts: only the clients' state folders remember their accountants)
     run_dir, summary, _ = run(dict(config, **{"resume-from": str(first_dir)}), recording_app({}))
     assert run_dir == first_dir and [r["round"] for r in summary["rounds"]] == [1, 2]
     assert json.loads((run_dir / "run.json").read_text())["resumed_from_round"] == 1
     assert summary["checkpoints"][-1]["head_version"] == 2
+    assert summary["run"]["starting_heads"] == starting_heads  # the run's start, not the resumed checkpoint
     record = round_record(run_dir, 2)
     sigma = record["privacy"]["noise_multiplier"][0]
     q = record["privacy"]["q"][0]

@@ -38,6 +38,7 @@ from common.params import (
     validate_update,
 )
 from common.training import feature_loader, heads_loss, mixed_precision_autocast, upcast_grad_samples
+from server.federation import FRESH_DP_VERDICT, NO_DP_VERDICT, privacy_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,21 @@ def test_pyproject_run_config_is_fedconfig():
     assert comments == HELP
     assert FedConfig.from_mapping({}) == FedConfig()  # the dataclass's own defaults are a valid run
     assert "federations" not in tomllib.loads(text)["tool"]["flwr"]
+
+
+@pytest.mark.parametrize(
+    "knobs, budget, verdict",
+    [
+        ({"init-heads": "fresh"}, 8.0, FRESH_DP_VERDICT),
+        ({"init-heads": "public"}, 8.0, None),
+        ({"init-heads": "public", "dp-noise-multiplier": 1.2}, None, None),  # a fixed sigma has no target
+        ({"init-heads": "fresh", "dp": False}, None, NO_DP_VERDICT),
+    ],
+)
+def test_the_privacy_plan_states_budget_and_verdict_before_round_1(knobs, budget, verdict):
+    plan = privacy_plan(FedConfig.from_mapping(knobs), start_round=1)
+    assert plan["epsilon_budget"] == budget and plan["verdict"] == verdict and plan["dp"] == knobs.get("dp", True)
+    assert privacy_plan(FedConfig.from_mapping({"init-heads": "fresh"}), start_round=3)["verdict"] is None  # resumed
 
 
 def test_config_rejects_unknown_keys_and_impossible_minimums():

@@ -104,6 +104,21 @@ def test_resumed_run_keeps_rows(store):
     assert [r["round"] for r in store.get_rounds("run-r")] == [1, 2]
 
 
+def test_plan_and_starting_heads_reach_the_run_and_its_budget_the_runs_list(store):
+    store.start_run("run-p", CONFIG, SECAGG)
+    assert store.list_runs()[0]["epsilon_budget"] is None  # no plan yet
+    store.record_plan("run-p", {"nodes": 4, "privacy": {"dp": True, "epsilon_budget": 8.0, "verdict": None}})
+    store.record_starting_heads("run-p", {"head_accuracy": [0.3, 0.2], "tau": 1.4, "loss": float("nan")})
+    run = store.get_run("run-p")
+    assert run["plan"]["privacy"]["epsilon_budget"] == 8.0 and store.list_runs()[0]["epsilon_budget"] == 8.0
+    assert run["starting_heads"] == {"head_accuracy": [0.3, 0.2], "tau": 1.4, "loss": None}  # strict JSON
+    with pytest.raises(ValueError, match="unknown run id .nope."):
+        store.record_plan("nope", {})
+    with pytest.raises(ValueError, match="plan must be a dict, got list"):
+        store.record_plan("run-p", [])
+    assert store.get_run("run-p")["plan"]["nodes"] == 4  # a refused write loses nothing
+
+
 def test_no_dp_epsilon_is_infinite_and_reported_as_null(store, tmp_path):
     store.start_run("nodp", CONFIG, SECAGG)
     store.record_round("nodp", round_record(1, epsilon_max=math.inf, epsilon_mean=math.inf, delta=0.0))
@@ -252,7 +267,8 @@ def test_v1_database_is_upgraded_at_open(tmp_path):
     db.executescript(V1_DDL)
     db.close()
     with RunStore(f"sqlite:///{path}") as store:
-        assert store.schema_version() == SCHEMA_VERSION == 3
+        assert store.schema_version() == SCHEMA_VERSION == 4
+        assert store.get_run("old")["plan"] is None and store.get_run("old")["starting_heads"] is None
         old = store.get_rounds("old")
         assert old[0]["metrics"]["train_loss"] == 2.5 and old[0]["metrics"]["client_tau"] is None
         assert old[0]["tau_heads_only"] is None and old[0]["bytes"] is None and old[0]["seconds"] is None
@@ -262,6 +278,7 @@ def test_v1_database_is_upgraded_at_open(tmp_path):
         assert store.get_rounds("old")[1]["metrics"]["client_tau"] == pytest.approx(1.25)
     columns = {row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(rounds)")}
     assert {"client_head_accuracy", "client_tau", "tau_heads_only", "traffic", "seconds"} <= columns
+    assert {"plan", "starting_heads"} <= {row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(runs)")}
     with RunStore(f"sqlite:///{path}") as store:  # opening again is a no-op
         assert store.schema_version() == SCHEMA_VERSION
 

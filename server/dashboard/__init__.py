@@ -1,8 +1,10 @@
 """Read-only web dashboard over the run store: JSON API + HTML pages with live plots.
 
 * ``GET /api/runs``, ``/api/runs/{id}``, ``/api/runs/{id}/rounds``: JSON, documented at ``/openapi.json``.
-* ``GET /`` lists runs; ``GET /runs/{id}`` plots loss, per-head accuracy, tau, epsilon and participation per
-  round, shows the SecAgg+ settings and the latest checkpoint, and polls the API while the run is going.
+* ``GET /`` lists runs with epsilon spent and left; ``GET /runs/{id}`` says in one line what the run has gained
+  on its starting heads and spent, plots loss, per-head accuracy and tau (from the starting heads' round-0
+  point), epsilon against the budget, participation and traffic per round, shows the privacy plan and its
+  verdict, the SecAgg+ settings and the latest checkpoint, and polls the API while the run is going.
 * ``GET /runs/{id}/checkpoint``: the run's latest (or ``?round=N``) recorded checkpoint: the file itself,
   or a zip of the checkpoint directory, served only from under ``<run-dir>/<run-id>/`` (run-dir: the
   store's own folder, as in the default ``runs/fedla.db`` layout, or the ``run_dir`` the operator gives);
@@ -74,6 +76,9 @@ class RunSummaryOut(BaseModel):
     last_train_loss: Optional[float] = None
     last_tau: Optional[float] = None
     last_epsilon_max: Optional[float] = Field(None, description="null when unbounded (no DP) or no rounds yet")
+    epsilon_budget: Optional[float] = Field(
+        None, description="epsilon each client may spend in the run (null: no DP, a fixed noise multiplier, or no plan)"
+    )
 
 
 class CheckpointOut(BaseModel):
@@ -85,11 +90,24 @@ class CheckpointOut(BaseModel):
     created_at: datetime
 
 
+class StartingHeadsOut(BaseModel):
+    head_accuracy: list[float] = Field(description="server-side held-out top-1 accuracy per head before round 1")
+    tau: Optional[float] = None
+    tau_heads_only: Optional[float] = None
+    loss: Optional[float] = None
+
+
 class RunOut(BaseModel):
     run_id: str
     status: str
     config: dict[str, Any]
     secagg: dict[str, Any] = Field(description="SecAgg+ settings the run used")
+    plan: Optional[dict[str, Any]] = Field(
+        None, description="known before round 1: nodes, clients per round, SecAgg+ shares, privacy (budget, verdict)"
+    )
+    starting_heads: Optional[StartingHeadsOut] = Field(
+        None, description="the round-0 point: the heads the run starts from"
+    )
     started_at: datetime
     updated_at: datetime
     finished_at: Optional[datetime] = None
@@ -203,6 +221,7 @@ def create_app(
     app.state.store = store
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     templates.env.filters["show"] = lambda v: v if isinstance(v, str) else json.dumps(v)  # true/null, not True/None
+    templates.env.filters["exponent"] = lambda v: re.sub(r"e([+-])0*(\d)", r"e\1\2", f"{v:g}")  # 1e-5, as in JS
 
     def with_token(request: Request, url: str) -> str:
         """Links and assets carry the browser's ?token= so that every request stays authorised."""

@@ -32,12 +32,24 @@
     return value === null || value === undefined ? "–" : Number(value).toFixed(digits);
   }
 
-  function bytes(n) {
+  function bytes(n) {  // decimal units, as traffic is usually quoted (23.9 MB, not 22.8 MiB)
     if (n === null || n === undefined) return "–";
-    const units = ["B", "KiB", "MiB", "GiB"];
+    const units = ["B", "kB", "MB", "GB"];
     let i = 0;
-    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
     return n.toFixed(i ? 1 : 0) + " " + units[i];
+  }
+
+  // Epsilon spent and left against the run's budget; null epsilon is unbounded (no DP guarantee).
+  function epsilonSpent(spent, budget, rounds) {
+    if (!rounds) return "–";
+    if (spent === null || spent === undefined) return "∞ (no DP)";
+    return budget === null || budget === undefined ? fmt(spent, 3) + " (no budget)" : fmt(spent, 3) + " of " + fmt(budget, 2);
+  }
+
+  function epsilonLeft(spent, budget) {
+    if (spent === null || spent === undefined || budget === null || budget === undefined) return "–";
+    return fmt(Math.max(0, budget - spent), 3);
   }
 
   function utc(iso) {
@@ -80,41 +92,76 @@
              borderDash: dashed ? [5, 4] : [], spanGaps: false, tension: 0.15 };
   }
 
-  function renderCharts(rounds) {
+  // Accuracy, tau and epsilon get a round-0 point: the starting heads (epsilon 0: nothing spent yet), so that a
+  // round's gain or loss is visible; loss, participation and traffic have no round 0.
+  function renderCharts(rounds, run) {
     const labels = rounds.map(function (r) { return r.round; });
+    const start = run.starting_heads;
+    const withStart = start ? [0].concat(labels) : labels;
+    const from0 = function (first, values) { return start ? [first].concat(values) : values; };
     draw("chart-loss", "line", labels, [line("train loss", rounds.map(function (r) { return r.metrics.train_loss; }), "#2f6fdb")],
          baseOptions("loss"));
 
-    const numHeads = rounds.reduce(function (m, r) { return Math.max(m, r.metrics.head_accuracy.length); }, 0);
+    const numHeads = rounds.reduce(function (m, r) { return Math.max(m, r.metrics.head_accuracy.length); },
+                                   start ? start.head_accuracy.length : 0);
     const acc = [];
     for (let k = 0; k < numHeads; k++) {
       const color = HEAD_COLORS[k % HEAD_COLORS.length];
-      acc.push(line("head " + (k + 1), rounds.map(function (r) { return r.metrics.head_accuracy[k] ?? null; }), color, false));
+      acc.push(line("head " + (k + 1), from0(start ? start.head_accuracy[k] ?? null : null,
+                                             rounds.map(function (r) { return r.metrics.head_accuracy[k] ?? null; })), color, false));
       if (rounds.some(function (r) { return r.metrics.client_head_accuracy && r.metrics.client_head_accuracy[k] != null; })) {
         const ds = line("head " + (k + 1) + " (clients)",
-                        rounds.map(function (r) { return (r.metrics.client_head_accuracy || [])[k] ?? null; }), color, true);
+                        from0(null, rounds.map(function (r) { return (r.metrics.client_head_accuracy || [])[k] ?? null; })), color, true);
         ds.pointRadius = 0;
         acc.push(ds);
       }
     }
-    draw("chart-accuracy", "line", labels, acc, baseOptions("top-1 accuracy", {}));
+    draw("chart-accuracy", "line", withStart, acc, baseOptions("top-1 accuracy", {}));
 
-    const tau = [line("τ (server eval)", rounds.map(function (r) { return r.metrics.tau; }), "#2b8a3e", false)];
+    const tau = [line("τ (server eval)", from0(start ? start.tau : null, rounds.map(function (r) { return r.metrics.tau; })), "#2b8a3e", false)];
     if (rounds.some(function (r) { return r.metrics.client_tau != null; })) {
-      tau.push(line("τ (client eval)", rounds.map(function (r) { return r.metrics.client_tau; }), "#2b8a3e", true));
+      tau.push(line("τ (client eval)", from0(null, rounds.map(function (r) { return r.metrics.client_tau; })), "#2b8a3e", true));
     }
-    draw("chart-tau", "line", labels, tau, baseOptions("accepted tokens / step"));
+    const headsOnly = from0(start ? start.tau_heads_only ?? null : null, rounds.map(function (r) { return r.tau_heads_only ?? null; }));
+    if (headsOnly.some(function (v) { return v !== null; })) {
+      const ds = line("τ heads only (first and last)", headsOnly, "#862e9c", false);
+      ds.spanGaps = true;
+      ds.pointRadius = 4;
+      tau.push(ds);
+    }
+    draw("chart-tau", "line", withStart, tau, baseOptions("accepted tokens / step"));
 
-    draw("chart-epsilon", "line", labels, [
-      line("ε max over clients", rounds.map(function (r) { return r.privacy.epsilon_max; }), "#c92a2a", false),
-      line("ε mean", rounds.map(function (r) { return r.privacy.epsilon_mean; }), "#e67700", true),
-    ], baseOptions("ε"));
+    const budget = run.plan && run.plan.privacy ? run.plan.privacy.epsilon_budget : null;
+    const dp = run.plan && run.plan.privacy ? run.plan.privacy.dp : rounds.some(function (r) { return r.privacy.epsilon_max !== null; });
+    const zero = dp ? 0 : null;
+    const eps = [
+      line("ε max over clients", from0(zero, rounds.map(function (r) { return r.privacy.epsilon_max; })), "#c92a2a", false),
+      line("ε mean", from0(zero, rounds.map(function (r) { return r.privacy.epsilon_mean; })), "#e67700", true),
+    ];
+    if (budget !== null && budget !== undefined) {
+      const ds = line("budget ε = " + fmt(budget, 2), withStart.map(function () { return budget; }), "#1d2330", true);
+      ds.pointRadius = 0;
+      ds.borderWidth = 1.5;
+      eps.push(ds);
+    }
+    draw("chart-epsilon", "line", withStart, eps, baseOptions("ε", {}));
     const last = rounds.length ? rounds[rounds.length - 1] : null;
-    const delta = document.getElementById("delta");
-    if (delta) delta.textContent = last && last.privacy.delta != null ? String(last.privacy.delta) : "–";
+    const note = document.getElementById("epsilon-note");
+    if (note) {
+      const delta = last && last.privacy.delta != null ? last.privacy.delta : run.plan && run.plan.privacy ? run.plan.privacy.delta : null;
+      note.textContent = !dp ? "(no DP in this run: ε is unbounded)"
+        : "(δ = " + (delta === null ? "–" : Number(delta).toExponential()) + (budget != null ? ", budget " + fmt(budget, 2) : "") +
+          (last ? ", spent " + epsilonSpent(last.privacy.epsilon_max, null, 1).replace(" (no budget)", "") +
+                  (budget != null ? ", left " + epsilonLeft(last.privacy.epsilon_max, budget) : "") : "") + ")";
+    }
+    const left = document.getElementById("epsilon-left");
+    if (left) {
+      left.textContent = epsilonSpent(last ? last.privacy.epsilon_max : null, budget, rounds.length) +
+        (last && budget != null ? " · left " + epsilonLeft(last.privacy.epsilon_max, budget) : "");
+    }
 
-    const bar = function (label, data, color) {
-      return { type: "bar", label: label, data: data, backgroundColor: color, stack: "outcome" };
+    const bar = function (label, data, color, stack) {
+      return { type: "bar", label: label, data: data, backgroundColor: color, stack: stack || "outcome" };
     };
     const sampled = line("sampled", rounds.map(function (r) { return r.participation.sampled; }), "#1d2330", true);
     sampled.type = "line";
@@ -128,6 +175,44 @@
       scales: { x: { stacked: true, title: { display: true, text: "round" } },
                 y: { stacked: true, beginAtZero: true, ticks: { precision: 0 }, title: { display: true, text: "clients" } } },
     }));
+
+    const mb = function (pick) { return rounds.map(function (r) { const v = pick(r); return v === null || v === undefined ? null : v / 1e6; }); };
+    draw("chart-bytes", "bar", labels, [
+      bar("heads down", mb(function (r) { return r.bytes ? r.bytes.down_per_client : r.bytes_per_client; }), "#2f6fdb", "bytes"),
+      bar("update up", mb(function (r) { return r.bytes ? r.bytes.up_per_client : null; }), "#d9480f", "bytes"),
+      bar("evaluation push", mb(function (r) { return r.bytes ? r.bytes.eval_push_per_client : null; }), "#868e96", "bytes"),
+    ], baseOptions("MB per client", {
+      scales: { x: { stacked: true, title: { display: true, text: "round" } },
+                y: { stacked: true, beginAtZero: true, title: { display: true, text: "MB per client" } } },
+    }));
+  }
+
+  // One sentence at the top: is the federation improving on its starting heads, and what has it cost?
+  function renderGlance(rounds, run) {
+    const box = document.getElementById("glance");
+    if (!box) return;
+    box.replaceChildren();
+    const start = run.starting_heads;
+    const last = rounds.length ? rounds[rounds.length - 1] : null;
+    if (!last) return;
+    const change = function (name, before, after, digits) {
+      const span = el("span");
+      span.appendChild(document.createTextNode(name + " " + (before === null || before === undefined ? "" : fmt(before, digits) + " → ")));
+      const diff = before === null || before === undefined ? null : after - before;
+      const value = el("span", fmt(after, digits) + (diff === null ? "" : " (" + (diff >= 0 ? "+" : "") + fmt(diff, digits) + ")"),
+                       diff === null || Math.abs(diff) < Math.pow(10, -digits) ? "" : diff > 0 ? "up" : "down");
+      span.appendChild(value);
+      return span;
+    };
+    const parts = [change("head-1 accuracy", start ? start.head_accuracy[0] : null, last.metrics.head_accuracy[0], 3)];
+    if (last.metrics.tau !== null && last.metrics.tau !== undefined) parts.push(change("τ", start ? start.tau : null, last.metrics.tau, 2));
+    const budget = run.plan && run.plan.privacy ? run.plan.privacy.epsilon_budget : null;
+    parts.push(el("span", "ε " + epsilonSpent(last.privacy.epsilon_max, budget, rounds.length)));
+    box.appendChild(el("strong", (start ? "Since the starting heads, after round " : "After round ") + last.round + ": "));
+    parts.forEach(function (part, i) {
+      if (i) box.appendChild(document.createTextNode(" · "));
+      box.appendChild(part);
+    });
   }
 
   function renderTable(rounds) {
@@ -193,7 +278,8 @@
     document.getElementById("no-rounds").classList.toggle("hidden", rounds.length > 0);
     document.getElementById("live").classList.toggle("on", run.status === "running");
     document.getElementById("live").textContent = run.status === "running" ? "live" : "";
-    renderCharts(rounds);
+    renderCharts(rounds, run);
+    renderGlance(rounds, run);
     renderTable(rounds);
     renderCheckpoint(run.run_id, run.latest_checkpoint);
     document.body.dataset.rounds = String(rounds.length);
@@ -232,7 +318,7 @@
       try {
         const runs = await api("/api/runs");
         const text = JSON.stringify(runs);
-        if (last !== null && text !== last) renderRuns(runs);
+        if (text !== last) renderRuns(runs);
         last = text;
         document.body.dataset.poll = "ok";
       } catch (err) {
@@ -262,10 +348,11 @@
       st.appendChild(el("span", run.status, "status status-" + run.status));
       tr.appendChild(st);
       [run.num_rounds, fmt(run.last_train_loss, 4), fmt(run.last_tau, 3),
-       run.last_epsilon_max === null ? (run.num_rounds ? "∞" : "–") : fmt(run.last_epsilon_max, 3),
+       epsilonSpent(run.last_epsilon_max, run.epsilon_budget, run.num_rounds), epsilonLeft(run.last_epsilon_max, run.epsilon_budget),
        utc(run.started_at), utc(run.updated_at)].forEach(function (v) { tr.appendChild(el("td", v)); });
       body.appendChild(tr);
     });
+    document.body.dataset.ready = "1";
   }
 
   // The privacy-utility benchmark this run belonged to (embedded by the page): DP tau against epsilon, with
