@@ -1,4 +1,4 @@
-"""What the embedded default base costs on this machine: the figures the README's base table quotes.
+"""What the embedded default base costs on this machine: the figures docs/benchmarks.md quotes ("Base model by dtype").
 
     python -m simulations.bench_base [--json runs/bench-base.json]
 

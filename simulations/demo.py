@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n== 6/6 aggregation dashboard", flush=True)
     print(f"fedla dashboard --db {REPO / 'runs' / 'fedla.db'}   # then open http://127.0.0.1:8080/runs/{run_id}")
+    print("\nnext, with these heads:")
+    print(f"fedla generate --heads {checkpoint} --prompt 'def parse_header(line):'")
+    print(f"fedla bench-decode --heads {checkpoint} --json bench.json")
     return 0 if lossless else 1
 
 

@@ -91,7 +91,7 @@ class Scale:
     clients: int = 4
     rounds: int = 2
     chunk_len: int = 64
-    max_chunks_per_client: int = 600  # 450 to train: DP-SGD needs data (README: the signal-to-noise)
+    max_chunks_per_client: int = 600  # 450 to train: DP-SGD needs data (docs/benchmarks.md: the signal-to-noise)
     heldout_fraction: float = 0.25
     batch_size: int = 16
     lr: float = 1e-3

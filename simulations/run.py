@@ -8,8 +8,8 @@ ports and FLWR_HOME, see server/superlink.py), submits `flwr run . local --run-c
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
 flwr.log and prints the per-round table.
 
-Options: --set k=v (more run-config overrides, TOML values), --rounds N, --run-id ID,
---inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over simulations.inprocess.InProcessGrid,
+Options: --set k=v (more run-config overrides, TOML values), --rounds N, --clients N (simulated clients;
+the run waits for all of them), --run-id ID, --inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over simulations.inprocess.InProcessGrid,
 clients one after another), --timeout SECONDS.
 """
 
@@ -23,6 +23,8 @@ import time
 import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
+
+from common.fedconfig import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -42,6 +44,27 @@ def load_scenario(name: str) -> dict:
             "run-config": {**parent.get("run-config", {}), **data.get("run-config", {})},
         }
     return data
+
+
+def scenario_settings(
+    scenario: dict, sets: list[str], *, rounds: int | None = None, clients: int | None = None
+) -> tuple[dict, dict]:
+    """(run config, federation config) of a scenario after the command line's overrides."""
+    run_config = dict(scenario.get("run-config", {}))
+    run_config.update(parse_sets(sets))
+    for key in ("init-heads", "base-model-dir", "resume-from", "data-source"):  # the app runs in another folder
+        value = run_config.get(key)
+        if isinstance(value, str) and value and Path(value).exists():
+            run_config[key] = str(Path(value).resolve())
+    if rounds:
+        run_config["num-server-rounds"] = rounds
+    federation = dict(scenario.get("federation", {}))
+    if clients:
+        federation["num-supernodes"] = clients
+        run_config["min-available-clients"] = clients  # round 1 waits for all of them
+        wanted = run_config.get("min-train-clients", DEFAULTS["min-train-clients"])
+        run_config["min-train-clients"] = min(int(wanted), clients)
+    return run_config, federation
 
 
 def parse_sets(values: list[str]) -> dict:
@@ -72,32 +95,30 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    known = ", ".join(sorted(p.stem for p in SCENARIOS.glob("*.toml")))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--run-id")
-    parser.add_argument("--run-dir", default=str(REPO / "runs"))
-    parser.add_argument("--inprocess", action="store_true")
-    parser.add_argument("--timeout", type=float, default=3 * 3600)
+    parser.add_argument("scenario", help=f"one of: {known}")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a run-config override (TOML value)"
+    )
+    parser.add_argument("--rounds", type=int, help="num-server-rounds")
+    parser.add_argument(
+        "--clients", type=int, help="simulated clients (num-supernodes); clients per round: --set clients-per-round=M"
+    )
+    parser.add_argument("--run-id", help="default: <scenario>-<UTC time>")
+    parser.add_argument("--run-dir", default=str(REPO / "runs"), help="where runs/<run-id>/ and fedla.db go")
+    parser.add_argument("--inprocess", action="store_true", help="no SuperLink: clients one after another")
+    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds before the run is stopped")
     args = parser.parse_args(argv)
 
     scenario = load_scenario(args.scenario)
-    run_config = dict(scenario.get("run-config", {}))
-    run_config.update(parse_sets(args.set))
-    for key in ("init-heads", "base-model-dir", "resume-from", "data-source"):  # the app runs in another folder
-        value = run_config.get(key)
-        if isinstance(value, str) and value and Path(value).exists():
-            run_config[key] = str(Path(value).resolve())
-    if args.rounds:
-        run_config["num-server-rounds"] = args.rounds
+    run_config, federation = scenario_settings(scenario, args.set, rounds=args.rounds, clients=args.clients)
     run_id = args.run_id or f"{args.scenario}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     run_root = Path(args.run_dir).resolve()
     run_dir = run_root / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     run_config.update({"run-id": run_id, "run-dir": str(run_root)})
     run_config.setdefault("client-state-dir", str(run_dir / "client-state"))
-    federation = dict(scenario.get("federation", {}))
     print(f"scenario {args.scenario}: {scenario.get('description', '')}\nrun {run_id} -> {run_dir}", flush=True)
     started = time.perf_counter()
     if args.inprocess:

@@ -1,5 +1,5 @@
-"""Realistic synthetic run data for the dashboard tests (and the README screenshot until a real run
-replaces it): written only through the RunStore API, shaped like what the ServerApp records."""
+"""Realistic synthetic run data for the dashboard tests: written only through the RunStore API, shaped like
+what the ServerApp records."""
 
 from __future__ import annotations
 

@@ -294,3 +294,15 @@ def test_the_update_bound_by_rule_holds_for_honest_adamw(pattern):
     assert FedConfig.from_mapping({"update-max-norm": 0.5}).update_bound(10**6) == 0.5
     with pytest.raises(FedLookaheadError, match="dp-level=user needs update-max-norm > 0"):
         FedConfig.from_mapping({"dp-level": "user"})
+
+
+def test_a_scenario_takes_its_client_count_from_the_command_line():
+    from simulations.run import load_scenario, scenario_settings
+
+    run_config, federation = scenario_settings(load_scenario("iid-10"), ["clients-per-round=50"], rounds=2, clients=200)
+    assert federation["num-supernodes"] == 200 and run_config["min-available-clients"] == 200
+    assert run_config["clients-per-round"] == 50 and run_config["num-server-rounds"] == 2
+    assert run_config["min-train-clients"] == 10  # the scenario's own
+    FedConfig.from_mapping(run_config).validate()
+    run_config, _ = scenario_settings(load_scenario("iid-10"), [], clients=4)
+    assert run_config["min-train-clients"] == 4 and run_config["min-available-clients"] == 4  # fewer than it asks

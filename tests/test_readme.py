@@ -79,3 +79,32 @@ def test_each_make_target_in_the_readme_exists():
     targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), flags=re.M))
     for command in (c for c in COMMANDS if c.startswith("make ")):
         assert command.split()[1] in targets, command
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md", "docs/how-it-works.md"])
+def test_links_lead_to_files_and_headings_that_exist(page):
+    text = (REPO / page).read_text()
+    headings = {anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, fragment = target.partition("#")
+        if path:
+            assert (REPO / page).parent.joinpath(path).exists(), f"{page}: no file {path}"
+        elif fragment:
+            assert fragment in headings, f"{page}: no heading #{fragment}"
+
+
+def test_the_readme_is_a_front_page():
+    """Two commands first, then a table of contents over every section; history lives in docs/benchmarks.md."""
+    text = (REPO / "README.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, flags=re.M)
+    contents = re.findall(r"^- \[[^]]+\]\(#([^)]+)\)$", text, flags=re.M)
+    assert contents == [anchor(s) for s in sections]
+    assert text.index("make demo") < text.index("make test") < text.index("- [")
+    assert len(text.splitlines()) <= 200, "move history and long tables to docs/"

@@ -72,7 +72,7 @@ class CostCurve:
         return self.verify(nodes, internal) + self.lm_head(1)
 
     def relative(self) -> dict[int, float]:
-        """c(n) / c(1) for a full step (body + LM head over one row), as the README tables show it."""
+        """c(n) / c(1) for a full step (body + LM head over one row), as docs/benchmarks.md shows it."""
         one = self.verify(1, 1)
         return {n: round(self.verify(n, 1) / one, 3) for n in self.sizes}
 
