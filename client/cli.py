@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from common.cli_shared import BASE_HELP, DTYPE_HELP, base_loading, fail
+from common.cli.shared import BASE_HELP, DTYPE_HELP, base_loading, fail
 from common.errors import FedLookaheadError
 
 app = typer.Typer(
@@ -131,7 +131,7 @@ def client_serve_cmd(
     with the newest global heads, swapped between requests when a round delivers new ones."""
     from client.endpoint import serve_endpoint
     from client.state import default_state_dir
-    from common.default_model import resolve_base
+    from common.model.default import resolve_base
 
     try:
         serve_endpoint(

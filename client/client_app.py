@@ -38,14 +38,14 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggS
 
 from client import secagg
 from client import state as device_state
-from common import protocol as P
-from common.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
+from common.federation import protocol as P
+from common.federation.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
 
 # torch, transformers, Opacus and datasets are imported inside the handlers, not here: a deployed
 # SuperNode starts one ClientApp process per message, and the SecAgg+ key-exchange and unmasking
 # stages (handled by the mod alone) would otherwise pay ~7 s of imports each on a small CPU.
 if TYPE_CHECKING:
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
 
 # the train metrics a device sends: its privacy spending, none of its data's statistics
@@ -102,7 +102,7 @@ def device_weight_hidden(msg: Message, context: Context, call_next):
     """A device's plaintext weight is the weight cap, whatever its chunk count: in plain FedAvg every device
     weighs the same, and under SecAgg+ (this mod runs outside `secaggplus_mod`) its true weight stays inside
     the masked vector, where the server sees only the sum."""
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
     reply = call_next(msg, context)
     if device_state.state_dir_of(context.node_config) is None or not reply.has_content():
@@ -116,7 +116,7 @@ def device_weight_hidden(msg: Message, context: Context, call_next):
 def client_config(context: Context) -> FedConfig:
     """The run config with this node's overrides; on a device, made no weaker than its privacy floor."""
     from client.privacy import DeviceFloor
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
     config = FedConfig.from_mapping(context.run_config, context.node_config)
     floor = DeviceFloor.from_node_config(context.node_config)
@@ -128,7 +128,13 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     from client.privacy import DeviceFloor, device_round, load_state, save_state, state_file, train_round
     from client.task import cached_base, client_data, client_features
     from common.errors import FedLookaheadError
-    from common.params import expected_shapes, heads_from_config, heads_to_ndarrays, load_ndarrays, validate_update
+    from common.federation.records import (
+        expected_shapes,
+        heads_from_config,
+        heads_to_ndarrays,
+        load_ndarrays,
+        validate_update,
+    )
 
     config = client_config(context)
     if fit_config.get(FAIL_KEY):
@@ -207,9 +213,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     from client.task import cached_base, client_data, client_features
-    from common.fedeval import chunk_prompts, decode_tau
-    from common.params import heads_from_records
-    from common.training import evaluate_heads
+    from common.decoding.tau import chunk_prompts, decode_tau
+    from common.federation.records import heads_from_records
+    from common.training.loop import evaluate_heads
 
     config = client_config(context)
     base = cached_base(config)

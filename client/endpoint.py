@@ -67,13 +67,13 @@ from pydantic import ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.state import read_heads_meta
-from common.base import BaseModel, Loading, check_text
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper, check_prompt, check_sampling
 from common.decoding.streaming import StreamingStopper, TextStream, cut_at_stop
 from common.errors import FedLookaheadError
-from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from common.loopback import host_header_is_loopback, refused_host_message
+from common.model.base import BaseModel, Loading, check_text
 
 log = logging.getLogger("fedla.endpoint")
 

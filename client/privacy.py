@@ -47,12 +47,12 @@ from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 from client.state import LEDGER_LOCK, StateLocked, state_lock
+from common.data.features import Features
 from common.errors import FedLookaheadError
-from common.features import Features
-from common.fedconfig import MIN_CHUNK_LEN, FedConfig
-from common.heads import DraftHeads
-from common.lowrank import low_rank_updates
-from common.training import HeadMetrics, feature_loader, train_epoch
+from common.federation.config import MIN_CHUNK_LEN, FedConfig
+from common.heads.lookahead import DraftHeads
+from common.heads.lowrank import low_rank_updates
+from common.training.loop import HeadMetrics, feature_loader, train_epoch
 
 STATE_RECORD = "fedla-privacy"
 EPSILON_SLACK = 1e-6  # float noise only; never a real allowance over the target
@@ -462,7 +462,7 @@ def trainable_parameters(heads: DraftHeads, which: str = "all") -> list[torch.nn
 @contextmanager
 def trained_parameters(heads: DraftHeads, config: FedConfig) -> Iterator[list[torch.nn.Parameter]]:
     """What this round trains: a subset of the heads' parameters, or (dp-trainable=lowrank) rank-r
-    updates of every Linear, merged into the heads when the round ends (common/lowrank.py)."""
+    updates of every Linear, merged into the heads when the round ends (common/heads/lowrank.py)."""
     if config.dp_trainable != "lowrank":
         yield trainable_parameters(heads, config.dp_trainable)
         return

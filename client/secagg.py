@@ -16,7 +16,7 @@ from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
-from common.protocol import BAD_SHARE_SOURCES
+from common.federation.protocol import BAD_SHARE_SOURCES
 
 
 def screen_ciphertexts(msg: Message, context: Context) -> list[int]:

@@ -13,7 +13,7 @@ Layout of the state dir (node config `state-dir`; the daemon's default is <cache
     events.jsonl                one JSON line per ClientApp event (train start/done, heads kept,
                                 evaluation), which the daemon turns into one log line per round
     chunks/                     the device's private files, tokenised (client.task; private text)
-    features/                   the base's features of those chunks (common.features; private)
+    features/                   the base's features of those chunks (common.data.features; private)
     node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
     daemon.lock                 held by the one `fedla client` running on this folder (holds its pid)
     ledger.lock                 held by a round from reading the ledger to writing it (and by a reset)
@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from common.protocol import ROUND_KEY, RUN_KEY, VERSION
+from common.federation.protocol import ROUND_KEY, RUN_KEY, VERSION
 
 log = logging.getLogger("fedla.client")
 
@@ -267,7 +267,7 @@ def train_finished(context, fit_config: Mapping[str, Any], metrics: Mapping[str,
         run=int(context.run_id),
         round=fit_config.get(ROUND_KEY),
         weight=int(weight),
-        metrics=dict(metrics),  # the wire's own keys (common.protocol), not renamed
+        metrics=dict(metrics),  # the wire's own keys (common.federation.protocol), not renamed
     )
 
 
@@ -292,5 +292,5 @@ def evaluated(context, heads_config: Mapping[str, Any], metrics: Mapping[str, An
         round=server_round,
         version=heads_config.get(VERSION),
         final=int(final),
-        metrics=dict(metrics),  # the wire's own keys (common.protocol), not renamed
+        metrics=dict(metrics),  # the wire's own keys (common.federation.protocol), not renamed
     )

@@ -26,8 +26,8 @@ from typing import Any
 from client.daemon.nodeconfig import NODE_CONFIG_FILE, read_node_config
 from client.state import EVENTS_FILE, HEADS_DIR_KEY, latest_heads
 from common.errors import FedLookaheadError
-from common.int8_kernels import cached_reports, cpu_info, describe_cpu
-from common.protocol import SKIPPED
+from common.federation.protocol import SKIPPED
+from common.model.int8_kernels import cached_reports, cpu_info, describe_cpu
 
 PRIVATE_CACHES = ("chunks", "features")  # what `forget` deletes
 DAEMON_FILE = "daemon.json"
@@ -56,7 +56,7 @@ def _daemon_alive(info: dict | None) -> bool:
         cmdline = Path(f"/proc/{info['pid']}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"fedla" in cmdline or b"common.cli" in cmdline
+    return b"fedla" in cmdline or b"common.cli.app" in cmdline
 
 
 def _runs(state: Path) -> list[dict]:

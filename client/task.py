@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
-from common.base import BaseModel, load_base
-from common.data import read_text, stdlib_dir, stdlib_files, text_files
-from common.default_model import ensure_default_base
+from common.data.chunks import read_text, stdlib_dir, stdlib_files, text_files
+from common.data.features import Features, base_features
 from common.errors import FedLookaheadError
-from common.features import Features, base_features
-from common.fedconfig import FedConfig
+from common.federation.config import FedConfig
+from common.model.base import BaseModel, load_base
+from common.model.default import ensure_default_base
 from common.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
 def client_features(
     config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict, progress: bool = False
 ) -> Features:
-    """Base features of this client's chunks, computed once and reused across rounds (common/features.py)."""
+    """Base features of this client's chunks, computed once and reused across rounds (common/data/features.py)."""
     return base_features(base, chunks, feature_cache_dir(config, node_config), progress=progress)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from common.cli_shared import exit_cleanly_on_sigterm, fail
+from common.cli.shared import exit_cleanly_on_sigterm, fail
 from common.errors import FedLookaheadError
 
 # Registered on the root `fedla` app as top-level commands (not a sub-group): their names stay as they were.

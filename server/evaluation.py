@@ -19,15 +19,15 @@ from flwr.app import Message, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.serverapp.grid import Grid
 
-from common.base import BaseModel
-from common.data import chunk_files, prompts_from_files, stdlib_files
-from common.features import base_features
-from common.fedconfig import FedConfig
-from common.fedeval import decode_tau
-from common.heads import DraftHeads
-from common.params import heads_records
-from common.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, EvalReply, ReplyError
-from common.training import evaluate_heads
+from common.data.chunks import chunk_files, prompts_from_files, stdlib_files
+from common.data.features import base_features
+from common.decoding.tau import decode_tau
+from common.federation.config import FedConfig
+from common.federation.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, EvalReply, ReplyError
+from common.federation.records import heads_records
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel
+from common.training.loop import evaluate_heads
 from server.guard import array_record_bytes
 
 log = logging.getLogger("flwr.fedla.server")

@@ -22,14 +22,14 @@ from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.app_utils import start_update_client_manager_thread
 from flwr.serverapp.grid import Grid
 
-from common.base import BaseModel, load_base
-from common.default_model import ensure_default_base
-from common.draft_vocab import public_draft_vocab
 from common.errors import FedLookaheadError
-from common.fedconfig import FedConfig, secagg_shares_and_threshold
-from common.heads import DraftHeads
-from common.params import heads_to_ndarrays
-from common.training import DEFAULT_DRAFT_VOCAB
+from common.federation.config import FedConfig, secagg_shares_and_threshold
+from common.federation.records import heads_to_ndarrays
+from common.heads.draft_vocab import public_draft_vocab
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel, load_base
+from common.model.default import ensure_default_base
+from common.training.loop import DEFAULT_DRAFT_VOCAB
 from server import server_optimizer
 from server.evaluation import ServerEval
 from server.recorder import Recorder, checkpoints_newest_first
@@ -163,8 +163,10 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
             + (f" (the newest: {problems[0]})" if problems else "")
         )
     run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
-    if config.init_heads == "public":  # DP from untrained heads does not learn in a small run (common/public_heads.py)
-        from common.public_heads import ensure_public_heads
+    if (
+        config.init_heads == "public"
+    ):  # DP from untrained heads does not learn in a small run (common/training/public_heads.py)
+        from common.training.public_heads import ensure_public_heads
 
         folder = ensure_public_heads(base, config.num_heads, config.chunk_len, config.public_heads_minutes)
         heads = DraftHeads.load(folder, base)

@@ -1,14 +1,14 @@
 """The server's guard: every client reply is checked once, before anything uses it.
 
 `GuardedGrid` sits between Flower's workflows and the real Grid. Every train reply is checked against
-the stage it answers: its weight and metrics by `common.protocol.TrainReply` (types, finiteness,
-ranges), its update by `common.params` (under SecAgg+ the masked vector's count, shapes, integer type
+the stage it answers: its weight and metrics by `common.federation.protocol.TrainReply` (types, finiteness,
+ranges), its update by `common.federation.records` (under SecAgg+ the masked vector's count, shapes, integer type
 and modulus range; in plain FedAvg the weights' shapes, NaN/Inf and the range), and each SecAgg+
 key-exchange reply for the records its stage needs (and, with `server.secagg.SecAggWitness`, for what only
 the whole stage shows: replayed keys, peers an honest client names, inconsistent key shares). A bad reply is turned into an error reply and
 counted as rejected with its reason; SecAgg+ then treats that client as dropped (its masks are
 removed with the other clients' key shares), so the round goes on. Evaluation replies are checked by
-`common.protocol.EvalReply` where they are read (server/evaluation.py).
+`common.federation.protocol.EvalReply` where they are read (server/evaluation.py).
 
 Weights: no client weighs more than `FedConfig.weight_cap` (the most train chunks an honest client can
 claim: max-chunks-per-client, and never above secagg-max-weight). In plain FedAvg the server applies the
@@ -53,9 +53,9 @@ from flwr.serverapp.grid import Grid
 from flwr.supercore.differential_privacy import get_norm
 from flwr.supercore.run import Run
 
-from common.fedconfig import FedConfig
-from common.params import validate_masked, validate_update
-from common.protocol import BAD_SHARE_SOURCES, FITRES_PARAMETERS, ReplyError, TrainReply
+from common.federation.config import FedConfig
+from common.federation.protocol import BAD_SHARE_SOURCES, FITRES_PARAMETERS, ReplyError, TrainReply
+from common.federation.records import validate_masked, validate_update
 from server.secagg import SecAggWitness
 
 log = logging.getLogger(

@@ -21,9 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from common.fedconfig import FedConfig
-from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
-from common.protocol import RoundRecord, finite_or_none
+from common.federation.config import FedConfig
+from common.federation.protocol import RoundRecord, finite_or_none
+from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from server.store import RunStore
 
 log = logging.getLogger("flwr.fedla.server")

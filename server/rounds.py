@@ -33,12 +33,18 @@ from flwr.server.workflow.default_workflows import default_fit_workflow
 from flwr.serverapp.grid import Grid
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from common.base import BaseModel
 from common.errors import FedLookaheadError
-from common.fedconfig import FedConfig
-from common.heads import DraftHeads
-from common.params import expected_shapes, heads_config_dict, heads_to_ndarrays, load_ndarrays, validate_update
-from common.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
+from common.federation.config import FedConfig
+from common.federation.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
+from common.federation.records import (
+    expected_shapes,
+    heads_config_dict,
+    heads_to_ndarrays,
+    load_ndarrays,
+    validate_update,
+)
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel
 from server.evaluation import ServerEval, client_evaluation
 from server.guard import ExchangeLog, GuardedGrid, short_reason
 from server.secagg import TolerantSecAggPlusWorkflow

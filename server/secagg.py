@@ -23,7 +23,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 from flwr.serverapp.grid import Grid
 
-from common.protocol import BAD_SHARE_SOURCES
+from common.federation.protocol import BAD_SHARE_SOURCES
 
 log = logging.getLogger("flwr.fedla.server")
 

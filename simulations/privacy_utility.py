@@ -7,7 +7,7 @@ clients' own code, and at what epsilon?
 The scenario (simulations/scenarios/privacy-utility.toml describes the same settings for `simulations.run`):
 
 * public data: the stdlib train split, on which the server's initial heads were trained centrally
-  (`--public-heads`; trained here with `common.training.fit_heads` when absent);
+  (`--public-heads`; trained here with `common.training.loop.fit_heads` when absent);
 * private data: the sources of third-party packages installed in this environment (site-packages),
   copied once into `$FEDLA_HOME/privacy_utility/`, split *by package* across clients with the
   product's `package` partitioning (non-IID: each client writes in its packages' own style). Each
@@ -31,7 +31,7 @@ this script. Configurations:
 * ``tricks``: at epsilon 8, each DP trick added greedily to the recipe and kept only when it raises the
   validation tau: larger expected batches (fewer steps), a smaller learning rate with a tighter clip,
   server momentum (FedAvgM over the DP mean), training only the fusion head, training rank-8 updates of
-  every Linear (merged after each round, common/lowrank.py). The epsilons below 8 use
+  every Linear (merged after each round, common/heads/lowrank.py). The epsilons below 8 use
   the recipe this comparison chose;
 * ``user_dp``: user-level DP (dp-level=user, Flower's fixedclipping_mod + server noise, server/user_dp.py)
   at epsilon 8.
@@ -41,7 +41,7 @@ choice, and heads-only tau estimated from a teacher-forced pass: at each positio
 (head k fusing the tokens before it) is accepted up to the first head that misses the base's greedy
 token, so tau = 1 + the mean accepted length (the bonus token included), i.e. the expected tokens per
 base forward of chain drafting under greedy verification. It is validated once against a real
-`ams_heads_only` decode (AMS-LD without the n-gram drafter, `common.fedeval.decode_tau`) on a few
+`ams_heads_only` decode (AMS-LD without the n-gram drafter, `common.decoding.tau.decode_tau`) on a few
 prompts (`tau_validation` in the JSON). The JSON and a PNG of the curve are written side by side.
 """
 
@@ -195,7 +195,7 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
     from flwr.app import Context, RecordDict
 
     from client.client_app import app
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
     from server.federation import run_federation
     from simulations.inprocess import InProcessGrid
 
@@ -224,7 +224,7 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
 
 
 def final_heads(run_dir: Path, base):
-    from common.heads import DraftHeads
+    from common.heads.lookahead import DraftHeads
     from server.recorder import latest_checkpoint
 
     found = latest_checkpoint(run_dir)
@@ -246,7 +246,7 @@ class ClientSplit:
 def client_splits(run_config: dict, base, clients: int) -> list[ClientSplit]:
     """Each client's train chunks and held-out chunks (as the ClientApp sees them), with base features."""
     from client.task import client_data, client_features
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
     config = FedConfig.from_mapping(run_config)
     splits = []
@@ -307,9 +307,9 @@ def central_finetune(public_dir: Path, base, splits: list[ClientSplit], run_conf
     """Non-private central fine-tuning on the pooled training chunks: the clients' own optimiser and
     batch (client.privacy.train_round with dp=false), one pass per federated round."""
     from client.privacy import train_round
-    from common.features import Features
-    from common.fedconfig import FedConfig
-    from common.heads import DraftHeads
+    from common.data.features import Features
+    from common.federation.config import FedConfig
+    from common.heads.lookahead import DraftHeads
 
     pooled = Features(
         torch.cat([s.train.tokens for s in splits]),
@@ -325,7 +325,7 @@ def central_finetune(public_dir: Path, base, splits: list[ClientSplit], run_conf
 
 def validate_tau(base, heads_by_name: dict, splits: list[ClientSplit], prompts: int, tokens: int) -> dict:
     """The chain estimate against a real heads-only AMS-LD decode, on the first chunks of each client's test half."""
-    from common.fedeval import chunk_prompts, decode_tau
+    from common.decoding.tau import chunk_prompts, decode_tau
 
     out = {}
     for name, heads in heads_by_name.items():
@@ -355,8 +355,8 @@ def ensure_public_heads(path: Path | None, base, scale: Scale, cache: Path) -> P
     target = cache / f"public-heads-{base.fingerprint[:12]}-{scale.chunk_len}"
     if (target / "heads_config.json").exists():
         return target
-    from common.data import chunk_files, stdlib_files
-    from common.training import fit_heads
+    from common.data.chunks import chunk_files, stdlib_files
+    from common.training.loop import fit_heads
 
     files = stdlib_files("train")
     chunks = chunk_files(files[: 40 if scale is QUICK else 400], base.tokenizer, scale.chunk_len)
@@ -481,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         scale = dataclasses.replace(scale, **overrides)
     started = time.perf_counter()
 
-    from common.base import load_base
-    from common.default_model import ensure_default_base
-    from common.heads import DraftHeads
+    from common.heads.lookahead import DraftHeads
+    from common.model.base import load_base
+    from common.model.default import ensure_default_base
     from common.paths import cache_root
 
     out_json = Path(args.json).resolve()
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     from client.task import cached_base
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
     client_base = cached_base(FedConfig.from_mapping(run_config))  # the instance the ClientApps will use
     splits = client_splits(run_config, client_base, scale.clients)

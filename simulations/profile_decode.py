@@ -25,14 +25,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from common.base import DTYPES, BaseModel, load_base
-from common.data import prompts_from_files, stdlib_files
+from common.data.chunks import prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy, generate
 from common.decoding.core import BaseRunner
 from common.decoding.drafting import HeadsTreeDrafter
-from common.default_model import resolve_base
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model.base import DTYPES, BaseModel, load_base
+from common.model.default import resolve_base
 
 
 def _timed(seconds: dict[str, float], part: str, fn: Callable, device: torch.device) -> Callable:

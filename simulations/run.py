@@ -24,7 +24,7 @@ import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.fedconfig import DEFAULTS
+from common.federation.config import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -161,7 +161,7 @@ def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
     from flwr.app import Context, RecordDict
 
     from client.client_app import app as client_app
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
     from server.federation import run_federation
     from simulations.inprocess import InProcessGrid
 

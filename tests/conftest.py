@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from common.base import BaseModel, load_base
-from common.data import read_text, stdlib_dir, stdlib_files
+from common.data.chunks import read_text, stdlib_dir, stdlib_files
 from common.decoding import calibration
 from common.decoding.calibration import CostCurve, calibration_key
-from common.default_model import train_tokenizer
+from common.model.base import BaseModel, load_base
+from common.model.default import train_tokenizer
 
 TINY_VOCAB = 512
 LOOPBACK_URL = "http://127.0.0.1"  # TestClient's default Host, "testserver", is not loopback: refused

@@ -1,4 +1,4 @@
-"""common.attention: grouped key/value heads go to PyTorch's SDPA as they are, with the same results as
+"""common.model.attention: grouped key/value heads go to PyTorch's SDPA as they are, with the same results as
 transformers' `sdpa` (which copies them per query head under a mask)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.attention import GQA_ATTENTION
-from common.base import load_base
 from common.decoding.core import BaseRunner
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
+from common.model.attention import GQA_ATTENTION
+from common.model.base import load_base
 from tests.conftest import save_tiny
 from tests.test_decoding import perturb
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from common.base import load_base
 from common.errors import FedLookaheadError
+from common.model.base import load_base
 
 
 @pytest.fixture()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from common.base import load_base
-from common.bench import NEAR_TIE, DivergenceJudge, near_tie_gap
+from common.decoding.bench import NEAR_TIE, DivergenceJudge, near_tie_gap
+from common.model.base import load_base
 
 
 def test_fp32_tie_is_the_fixed_threshold():

@@ -1,6 +1,6 @@
 """One state folder per device: readiness writes its chunks and features there, `fedla client status`
 reads it, `fedla client forget` wipes the private caches but keeps the ledger, and `fedla generate`
-finds the daemon's heads (client.daemon.readiness, client.status, common/cli.py generate)."""
+finds the daemon's heads (client.daemon.readiness, client.status, common/cli/app.py generate)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from client.daemon.readiness import prepare
 from client.privacy import LEDGER_FILE, TRAINED_MARKER, Ledger, PrivacyState, epsilon_of, save_ledger
 from client.state import keep_global_heads, record_event
 from client.status import device_status, forget, format_status
-from common import int8_kernels
-from common.cli import app
-from common.data import stdlib_dir
+from common.cli.app import app
+from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model import int8_kernels
 from common.paths import cache_root
 
 HISTORY = [(2.0, 0.1, 10), (2.5, 0.1, 10)]  # lifetime epsilon about 1 at delta 1e-5

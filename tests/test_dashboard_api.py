@@ -22,7 +22,7 @@ with warnings.catch_warnings():
 
 from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
 
-from common.protocol import RoundRecord
+from common.federation.protocol import RoundRecord
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
 from server.store import RunStore
 
@@ -273,7 +273,7 @@ def test_binding_beyond_loopback_requires_token(host, token, ok):
 def test_cli_refuses_public_bind_without_token(monkeypatch):
     from typer.testing import CliRunner
 
-    from common.cli import app
+    from common.cli.app import app
 
     monkeypatch.delenv("FEDLA_DASHBOARD_TOKEN", raising=False)
     result = CliRunner().invoke(app, ["dashboard", "--host", "0.0.0.0", "--db", "sqlite://"])

@@ -29,7 +29,7 @@ with warnings.catch_warnings():
 
 from dashboard_data import fill_realistic_run
 
-from common.cli import app as cli
+from common.cli.app import app as cli
 from server.dashboard import create_app
 from server.store import RunStore, StoreUnavailable
 
@@ -195,7 +195,7 @@ def test_cli_errors_never_show_secrets(tmp_path):
     garbage.write_text("not a database")
     for db in ("postgresql://user:PW-1234@127.0.0.1:1/runs", str(garbage)):
         done = subprocess.run(
-            [sys.executable, "-m", "common.cli", "dashboard", "--db", db, "--token", "s3cret-TOKEN-9"],
+            [sys.executable, "-m", "common.cli.app", "dashboard", "--db", db, "--token", "s3cret-TOKEN-9"],
             capture_output=True,
             text=True,
             timeout=120,

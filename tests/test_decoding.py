@@ -16,10 +16,9 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from common.base import BaseModel, load_base
-from common.bench import decode_benchmark
-from common.cli import app
-from common.data import stdlib_files
+from common.cli.app import app
+from common.data.chunks import stdlib_files
+from common.data.features import compute_features
 from common.decoding import (
     AmsPolicy,
     DecodingFallbackWarning,
@@ -30,6 +29,7 @@ from common.decoding import (
     load_heads,
     sampling_probs,
 )
+from common.decoding.bench import decode_benchmark
 from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner, StaticRunner
 from common.decoding.drafting import Candidate, choose_tree
@@ -44,9 +44,9 @@ from common.decoding.tree import (
     tree_paths,
 )
 from common.errors import FedLookaheadError
-from common.features import compute_features
-from common.heads import DraftHeads
-from common.training import feature_loader, train_epoch
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel, load_base
+from common.training.loop import feature_loader, train_epoch
 from tests.conftest import TINY_VOCAB, save_tiny
 
 ARCHS = ("llama", "qwen2", "gpt2")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from common import default_model
-from common.base import load_base, prompt_ids
-from common.cli import app
-from common.default_model import SMOLLM2, resolve_base
+from common.cli.app import app
 from common.errors import FedLookaheadError
+from common.model import default as default_model
+from common.model.base import load_base, prompt_ids
+from common.model.default import SMOLLM2, resolve_base
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -38,7 +38,7 @@ from client.daemon import (
     preflight,
 )
 from client.state import keep_global_heads, latest_heads
-from common.data import stdlib_dir
+from common.data.chunks import stdlib_dir
 from common.procs import alive, descendants, free_port, start_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts
@@ -269,7 +269,7 @@ def test_node_config_carries_the_device_settings(tmp_path, monkeypatch):
 
 def test_global_heads_are_kept_by_version_and_published(tmp_path, tiny_base):
     from common.decoding import load_heads
-    from common.heads import DraftHeads
+    from common.heads.lookahead import DraftHeads
 
     state, published = tmp_path / "state", tmp_path / "pub" / "latest"
     node_config = {"state-dir": str(state), "heads-dir": str(published)}

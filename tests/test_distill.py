@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-import common.distill
-from common.data import chunk_files, stdlib_files
-from common.distill import greedy_continuations
-from common.training import fit_heads
+import common.data.distill
+from common.data.chunks import chunk_files, stdlib_files
+from common.data.distill import greedy_continuations
+from common.training.loop import fit_heads
 
 
 @pytest.fixture
 def fp32_extractor(monkeypatch):
     """Generate with the base itself, so the reference below runs in the same dtype."""
-    monkeypatch.setattr(common.distill, "extractor_for", lambda base: base)
+    monkeypatch.setattr(common.data.distill, "extractor_for", lambda base: base)
 
 
 @torch.no_grad()

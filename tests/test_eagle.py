@@ -6,13 +6,13 @@ import pytest
 import torch
 from opacus import GradSampleModule
 
-from common.base import load_base
+from common.data.features import compute_features
 from common.decoding import AmsPolicy, generate
 from common.errors import FedLookaheadError
-from common.features import compute_features
-from common.heads import DraftHeads, HeadsConfig
-from common.params import heads_from_records, heads_records
-from common.training import heads_loss
+from common.federation.records import heads_from_records, heads_records
+from common.heads.lookahead import DraftHeads, HeadsConfig
+from common.model.base import load_base
+from common.training.loop import heads_loss
 from tests.conftest import TINY_VOCAB, save_tiny
 from tests.test_decoding import hf_greedy, noisy_heads, perturb, quickly_trained_heads
 
@@ -115,7 +115,7 @@ def test_opacus_per_sample_gradients_of_eagle_heads_match_autograd(bases):
 def test_eagle_heads_train_under_dp_sgd(bases):
     """A DP round through client.privacy.train_round: Opacus accounts it and the layer's weights move."""
     from client.privacy import PrivacyState, train_round
-    from common.fedconfig import FedConfig
+    from common.federation.config import FedConfig
 
     base = bases["llama"]
     heads = DraftHeads.fresh(base, 3, arch="eagle")

@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.endpoint import EndpointServer, check_loopback, create_endpoint_app, serve_endpoint, start_endpoint
 from client.state import keep_global_heads
-from common.base import BaseModel, Loading, load_base, prompt_ids
 from common.decoding import generate
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel, Loading, load_base, prompt_ids
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -371,7 +371,7 @@ def test_malformed_json_and_missing_chat_template(client, tiny_base_dir):
 def test_cli_serve_refuses_other_hosts_and_bad_dtypes(tiny_base_dir):
     from typer.testing import CliRunner
 
-    from common.cli import app
+    from common.cli.app import app
 
     for extra, message in ((["--host", "0.0.0.0"], "loopback only"), (["--dtype", "int3"], "unknown --dtype")):
         result = CliRunner().invoke(app, ["client", "serve", "--base", str(tiny_base_dir), *extra])

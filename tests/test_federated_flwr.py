@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.data import stdlib_dir
+from common.data.chunks import stdlib_dir
 from common.procs import alive
 from server.superlink import SuperLink
 

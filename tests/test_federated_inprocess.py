@@ -22,9 +22,9 @@ from client import client_app as client_module
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
 from client.privacy import epsilon_of
 from common.errors import FedLookaheadError
-from common.fedconfig import FedConfig
-from common.heads import DraftHeads
-from common.params import heads_to_ndarrays
+from common.federation.config import FedConfig
+from common.federation.records import heads_to_ndarrays
+from common.heads.lookahead import DraftHeads
 from server.federation import run_federation
 from tests.conftest import LOOPBACK_URL
 
@@ -343,7 +343,7 @@ def test_a_device_reveals_its_spending_and_nothing_else_of_its_data(run_config, 
     from flwr.app.message_type import MessageType
 
     from client.client_app import DEVICE_TRAIN_METRICS
-    from common import protocol as P
+    from common.federation import protocol as P
 
     config = dict(run_config, **{"max-chunks-per-client": 40, "fraction-evaluate": 1.0})
     states = {i: tmp_path / f"device-{i}" for i in (0, 1)}

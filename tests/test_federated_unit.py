@@ -19,12 +19,11 @@ from opacus.accountants import RDPAccountant
 from client.client_app import train_handler
 from client.privacy import PrivacyState, epsilon_of, load_state, save_state
 from client.task import PackagePartitioner
-from common.data import stdlib_dir
+from common.data.chunks import stdlib_dir
+from common.data.features import compute_features, fast_feature_dtype
 from common.errors import FedLookaheadError
-from common.features import compute_features, fast_feature_dtype
-from common.fedconfig import DEFAULTS, HELP, FedConfig
-from common.heads import DraftHeads
-from common.params import (
+from common.federation.config import DEFAULTS, HELP, FedConfig
+from common.federation.records import (
     BaseMismatchError,
     check_base,
     expected_shapes,
@@ -37,7 +36,8 @@ from common.params import (
     validate_metrics,
     validate_update,
 )
-from common.training import feature_loader, heads_loss, mixed_precision_autocast, upcast_grad_samples
+from common.heads.lookahead import DraftHeads
+from common.training.loop import feature_loader, heads_loss, mixed_precision_autocast, upcast_grad_samples
 from server.federation import FRESH_DP_VERDICT, NO_DP_VERDICT, privacy_plan
 
 REPO = Path(__file__).resolve().parents[1]

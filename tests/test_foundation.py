@@ -9,13 +9,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from common.base import load_base, resolve_device
-from common.cli import app
-from common.data import chunk_files, load_chunks, stdlib_files
+from common.cli.app import app
+from common.data.chunks import chunk_files, load_chunks, stdlib_files
+from common.data.features import compute_features
 from common.errors import FedLookaheadError
-from common.features import compute_features
-from common.heads import DraftHeads
-from common.training import evaluate_heads, train_heads
+from common.heads.lookahead import DraftHeads
+from common.model.base import load_base, resolve_device
+from common.training.loop import evaluate_heads, train_heads
 from tests.conftest import TINY_VOCAB, save_tiny
 
 
@@ -53,8 +53,8 @@ def test_load_base_errors(tmp_path, tiny_tokenizer, tiny_base_dir):
 
 
 def test_tokenizer_larger_than_vocab_is_refused(tmp_path, tiny_base_dir):
-    from common.data import read_text
-    from common.default_model import train_tokenizer
+    from common.data.chunks import read_text
+    from common.model.default import train_tokenizer
 
     big_tokenizer = train_tokenizer([read_text(p) for p in stdlib_files("train")[:60]], TINY_VOCAB * 2)
     mismatched = tmp_path / "mismatched"
@@ -183,7 +183,7 @@ def test_chunking_errors(tmp_path, tiny_tokenizer):
 
 
 def test_stdlib_split_is_disjoint_by_top_level_name():
-    from common.data import stdlib_dir
+    from common.data.chunks import stdlib_dir
 
     def top_level_names(paths):
         return {p.relative_to(stdlib_dir()).parts[0].removesuffix(".py") for p in paths}
@@ -280,7 +280,7 @@ def test_cli_errors_are_one_line(tmp_path, tiny_base_dir):
 
 def test_public_draft_vocab_is_seeded_public_and_keeps_eos(tiny_base):
     from common.decoding.core import eos_ids
-    from common.draft_vocab import public_draft_vocab
+    from common.heads.draft_vocab import public_draft_vocab
 
     vocab = public_draft_vocab(tiny_base, 64, chunks=8, chunk_len=32)
     assert len(vocab) == len(set(vocab)) == 64 and vocab == sorted(vocab)
@@ -343,9 +343,9 @@ def test_a_bad_option_value_is_one_line_from_the_installed_command(tiny_base_dir
 def test_public_heads_are_trained_once_per_base_and_setting(tiny_base, tmp_path, monkeypatch, capsys):
     """Issue 30 item 5: `flwr run .` with its defaults trained DP heads from scratch (head-1 accuracy 0.04); now
     init-heads="public" starts from heads trained on public code, built once and then reused."""
-    from common.fedconfig import FedConfig
-    from common.heads import WEIGHTS_FILE
-    from common.public_heads import ensure_public_heads
+    from common.federation.config import FedConfig
+    from common.heads.lookahead import WEIGHTS_FILE
+    from common.training.public_heads import ensure_public_heads
 
     monkeypatch.setenv("FEDLA_HOME", str(tmp_path))
     folder = ensure_public_heads(tiny_base, 2, 32, 0.02)

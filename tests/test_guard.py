@@ -21,9 +21,9 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.fedconfig import FedConfig
-from common.heads import DraftHeads
-from common.protocol import EvalReply, ReplyError, TrainReply
+from common.federation.config import FedConfig
+from common.federation.protocol import EvalReply, ReplyError, TrainReply
+from common.heads.lookahead import DraftHeads
 from server.evaluation import client_evaluation
 from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid
 from server.rounds import HeadsStrategy

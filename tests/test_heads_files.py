@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from common.cli import app
+from common.cli.app import app
 from common.errors import FedLookaheadError
-from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 
 
 @pytest.fixture()

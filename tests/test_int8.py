@@ -1,4 +1,4 @@
-"""int8 base weights (common.quant): exact integer products, shape-independent logits, AMS-LD lossless on
+"""int8 base weights (common.model.quant): exact integer products, shape-independent logits, AMS-LD lossless on
 the int8 base, the quality report and the option's errors."""
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
-from common import int8_kernels, quant
-from common.attention import EXACT_ATTENTION
-from common.base import BaseModel, load_base
-from common.bench import decode_benchmark, int8_quality
-from common.cli import app
-from common.data import stdlib_files
+from common.cli.app import app
+from common.data.chunks import stdlib_files
 from common.decoding import generate
+from common.decoding.bench import decode_benchmark, int8_quality
 from common.decoding.calibration import calibration_key
 from common.decoding.core import BaseRunner
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
-from common.int8_kernels import (
+from common.heads.lookahead import DraftHeads
+from common.model import int8_kernels, quant
+from common.model.attention import EXACT_ATTENTION
+from common.model.base import BaseModel, load_base
+from common.model.int8_kernels import (
     INT_MM,
     KERNEL_ENV,
     KERNELS,
@@ -38,8 +38,8 @@ from common.int8_kernels import (
     measure_kernels,
     saturating_cases,
 )
+from common.model.quant import Int8DynamicLinear, Int8Slice, public_calibration, quantize_int8
 from common.paths import cache_root, calibration_dir
-from common.quant import Int8DynamicLinear, Int8Slice, public_calibration, quantize_int8
 from tests.conftest import save_tiny
 from tests.test_decoding import ARCHS, hf_greedy, perturb, quickly_trained_heads
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer.main
 
-from common.cli import app
+from common.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 UPPER = ("client", "server")

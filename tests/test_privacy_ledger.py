@@ -29,10 +29,10 @@ from client.privacy import (
     reset_ledger,
 )
 from client.task import cached_base, client_data
-from common.data import stdlib_dir
+from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
-from common.params import heads_config_dict, heads_to_ndarrays
+from common.federation.records import heads_config_dict, heads_to_ndarrays
+from common.heads.lookahead import DraftHeads
 
 RUN = {
     "chunk-len": 32,

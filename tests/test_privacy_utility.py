@@ -22,11 +22,11 @@ from opacus.accountants import RDPAccountant
 
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
 from client.privacy import PrivacyState, train_round
-from common.data import stdlib_dir
-from common.features import base_features
-from common.fedconfig import FedConfig
-from common.heads import DraftHeads
-from common.params import heads_config_dict, heads_to_ndarrays
+from common.data.chunks import stdlib_dir
+from common.data.features import base_features
+from common.federation.config import FedConfig
+from common.federation.records import heads_config_dict, heads_to_ndarrays
+from common.heads.lookahead import DraftHeads
 from server.federation import run_federation
 from server.server_optimizer import ServerOptimizer
 from server.user_dp import user_epsilon, user_noise_multiplier

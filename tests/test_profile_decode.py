@@ -3,10 +3,10 @@
 import sys
 from pathlib import Path
 
-from common.data import prompts_from_files, stdlib_files
+from common.data.chunks import prompts_from_files, stdlib_files
 from common.decoding import AmsPolicy
 from common.decoding.core import BaseRunner
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
 from simulations.profile_decode import phase_timers, profile  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.cli import app
+from common.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -42,8 +42,8 @@ from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
 from client.state import DAEMON_LOCK, EVENTS_FILE, StateLocked, default_state_dir, state_lock
-from common.base import Loading
 from common.errors import FedLookaheadError
+from common.model.base import Loading
 from common.procs import flower_env, free_port
 
 __all__ = [

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from client.daemon.options import DaemonError, DaemonOptions
 from client.state import default_state_dir
-from common.base import resolve_device
 from common.errors import FedLookaheadError
+from common.model.base import resolve_device
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -24,7 +24,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def check_data(folder: Path) -> int:
     """Number of readable, non-empty text files in `folder`; a one-line error when there are none."""
-    from common.data import read_text, text_files
+    from common.data.chunks import read_text, text_files
 
     folder = folder.expanduser()
     if not folder.exists():
@@ -56,7 +56,7 @@ def check_data(folder: Path) -> int:
 
 def check_base(base: str | Path | None) -> None:
     """A named embedded base (built before joining) or a model folder with a config.json."""
-    from common.default_model import NAMED_BASES
+    from common.model.default import NAMED_BASES
 
     if base is None or str(base) == "" or str(base) in NAMED_BASES:
         return
@@ -95,7 +95,7 @@ def check_auth_key(path: Path) -> str:
 
 
 def check_device(device: str) -> None:
-    """common.base.resolve_device's rules (auto | cpu | cuda[:i], CUDA present), as a daemon error."""
+    """common.model.base.resolve_device's rules (auto | cpu | cuda[:i], CUDA present), as a daemon error."""
     try:
         resolve_device(device)
     except FedLookaheadError as exc:

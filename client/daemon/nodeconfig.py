@@ -47,7 +47,7 @@ def floor_values(opts: DaemonOptions) -> dict:
 
 def node_config_values(opts: DaemonOptions, state_dir: Path, base_dir: Path | None = None) -> dict:
     """The node config of this device; `base_dir` is the prepared base (else --base when it is a folder)."""
-    from common.default_model import NAMED_BASES
+    from common.model.default import NAMED_BASES
 
     if base_dir is None and opts.base is not None and str(opts.base) not in ("", *NAMED_BASES):
         base_dir = Path(opts.base)

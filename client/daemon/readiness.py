@@ -5,7 +5,7 @@
    loads exactly this base and never builds one inside a round.
 2. The device's private files are tokenised into chunks, cached in <state>/chunks (client.task),
    with a progress bar.
-3. Base features of those chunks, cached in <state>/features (common.features), when that is cheap:
+3. Base features of those chunks, cached in <state>/features (common.data.features), when that is cheap:
    a timed sample projects the whole cost, and above `FEATURE_SECONDS` round 1 computes them.
 
 Chunks and features depend on run-config keys (chunk-len, max-chunks-per-client, seed,
@@ -42,7 +42,7 @@ class Readiness:
 
 def prepare_base(base: str | Path | None, emit: Callable[[str], None]) -> Path:
     """The base's folder, building the embedded one first if this device has none yet."""
-    from common.default_model import DEFAULT_BASE, NAMED_BASES, default_base_dir, resolve_base, toy_base_dir
+    from common.model.default import DEFAULT_BASE, NAMED_BASES, default_base_dir, resolve_base, toy_base_dir
 
     name = DEFAULT_BASE if base is None or str(base) == "" else str(base)
     if name in NAMED_BASES:
@@ -60,9 +60,9 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     import torch
 
     from client.task import client_data, client_features
-    from common.base import load_base
-    from common.features import compute_features, extractor_for
-    from common.fedconfig import FedConfig
+    from common.data.features import compute_features, extractor_for
+    from common.federation.config import FedConfig
+    from common.model.base import load_base
 
     started = time.perf_counter()
     base_dir = Path(node_config["base-model-dir"])
@@ -109,7 +109,7 @@ def _release_models() -> None:
     """The daemon lives on: it keeps no copy of the base (the ClientApps load their own)."""
     import gc
 
-    from common import features
+    from common.data import features
 
     features._EXTRACTORS.clear()  # extractor_for's per-process cache
     gc.collect()

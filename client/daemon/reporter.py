@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.policy import Decision
-from common import protocol as P
+from common.federation import protocol as P
 
 
 def format_round(
@@ -41,7 +41,7 @@ def format_round(
 
 
 def format_training(metrics: dict, budget: float | None) -> str:
-    """A train reply's metrics (common.protocol keys) as the daemon reports them."""
+    """A train reply's metrics (common.federation.protocol keys) as the daemon reports them."""
     if metrics.get(P.SKIPPED):
         return f"declined training ({metrics.get(P.SKIP_REASON) or 'skipped'}); still connected"
     text = f"trained {int(metrics.get(P.NUM_TRAIN_CHUNKS, 0))} chunks"

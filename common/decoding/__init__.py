@@ -23,8 +23,6 @@ from typing import Sequence
 
 import torch
 
-from common.attention import EXACT_ATTENTION, GQA_ATTENTION
-from common.base import BaseModel
 from common.decoding.calibration import CostCurve, cost_curve
 from common.decoding.core import (
     DegenerationGuard,
@@ -39,7 +37,9 @@ from common.decoding.core import (
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model.attention import EXACT_ATTENTION, GQA_ATTENTION
+from common.model.base import BaseModel
 
 MODES = ("ams", "greedy", "beam", "fused")
 # attention implementations that accept the tree's 4D additive mask

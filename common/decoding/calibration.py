@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from common.attention import cache_kwarg
-from common.base import BaseModel
+from common.model.attention import cache_kwarg
+from common.model.base import BaseModel
 from common.paths import calibration_dir
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)

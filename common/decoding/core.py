@@ -11,10 +11,10 @@ import torch
 from transformers import Cache, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from common.attention import cache_kwarg
-from common.base import BaseModel
 from common.decoding.tree import TreeSpec, attention_mask_4d, keep_cache_path, move_path_entries, position_ids
 from common.errors import FedLookaheadError
+from common.model.attention import cache_kwarg
+from common.model.base import BaseModel
 
 
 @dataclass

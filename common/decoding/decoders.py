@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from common.base import BaseModel
 from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner, StaticRunner, Stopper, sampling_probs
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
@@ -24,7 +23,8 @@ from common.decoding.tree import (
     sample_accept,
     to_device,
 )
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel
 
 
 class UnsupportedCache(RuntimeError):

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from common.decoding.calibration import CostCurve
-from common.heads import DraftHeads, DraftState
+from common.heads.lookahead import DraftHeads, DraftState
 
 
 def _take(states: DraftState, index: torch.Tensor) -> DraftState:

@@ -9,7 +9,7 @@ Both sides use this module, so the wire format has one definition:
 * `validate_update` / `validate_masked`: the checks the server applies to every update before it
   can touch the aggregate (shapes, NaN/Inf, value range), returning a one-line reason instead of
   raising, so one bad client never stops a round. The metrics and weights of a reply are checked
-  by `common.protocol` (`TrainReply` / `EvalReply`), which also defines every record key.
+  by `common.federation.protocol` (`TrainReply` / `EvalReply`), which also defines every record key.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from common.base import BaseModel
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads, HeadsConfig
-from common.protocol import (  # noqa: F401 - HEADS_*: re-exported
+from common.federation.protocol import (  # noqa: F401 - HEADS_*: re-exported
     ARCH,
     DRAFT_VOCAB,
     FINGERPRINT,
@@ -40,6 +38,8 @@ from common.protocol import (  # noqa: F401 - HEADS_*: re-exported
     ReplyError,
     TrainReply,
 )
+from common.heads.lookahead import DraftHeads, HeadsConfig
+from common.model.base import BaseModel
 
 
 class BaseMismatchError(FedLookaheadError):
@@ -200,7 +200,7 @@ def validate_masked(arrays: list[np.ndarray], shapes: Shapes, mod_range: int) ->
 
 
 def validate_metrics(metrics: Mapping[str, Any], num_heads: int | None = None) -> str | None:
-    """None if train metrics are well-formed (common.protocol.TrainReply), else the one-line reason."""
+    """None if train metrics are well-formed (common.federation.protocol.TrainReply), else the one-line reason."""
     skipped = metrics.get("skipped", 0)
     try:  # the weight is checked with the reply (TrainReply.from_content); here only the metrics
         TrainReply.from_metrics(0 if skipped else 1, metrics, num_heads)

@@ -24,13 +24,13 @@ import torch
 from tqdm import tqdm
 from transformers import CompileConfig, PreTrainedTokenizerBase
 
-from common.base import BaseModel, load_base
-from common.data import chunk_files
+from common.data.chunks import chunk_files
 from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
 from common.decoding.decoders import ForwardCounter
 from common.errors import FedLookaheadError
-from common.heads import DraftHeads
-from common.int8_kernels import cpu_info, describe_cpu
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel, load_base
+from common.model.int8_kernels import cpu_info, describe_cpu
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
 # transformers' fastest greedy configuration: a static KV cache and its torch.compile'd decoding step,

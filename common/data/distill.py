@@ -13,9 +13,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from common.attention import cache_kwarg
-from common.base import BaseModel
-from common.features import extractor_for
+from common.data.features import extractor_for
+from common.model.attention import cache_kwarg
+from common.model.base import BaseModel
 
 
 @torch.inference_mode()

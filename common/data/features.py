@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
-from common.base import BaseModel, load_base
+from common.model.base import BaseModel, load_base
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ That is the default `recurrent` architecture: each step fuses the token drafted 
 for step k+1 depend on the candidate they extend. The `parallel` architecture is Medusa's: one fusion
 with x_{t+1}, then every head k reads f_1 (s_k = Block_k(f_1)) and the drafts form a lattice. The
 `eagle` architecture is EAGLE's: the fusion followed by one causal decoder layer shaped like the base's
-(common/eagle.py), which attends over the whole context and drafts K steps on its own predicted
+(common/heads/eagle.py), which attends over the whole context and drafts K steps on its own predicted
 features; while decoding it keeps a key/value cache of the context (`new_cache`, `commit`).
 
 The LM head used for drafting is the base's own frozen LM head restricted to a draft vocabulary
 (FR-Spec / EAGLE-3): the N most frequent tokens of the base's greedy output on public data (see
-common/draft_vocab.py). Verification always uses the full LM head, so decoding stays lossless. Only
+common/heads/draft_vocab.py). Verification always uses the full LM head, so decoding stays lossless. Only
 the fusion and the residual blocks are parameters; embedding and LM head are referenced, never saved,
 trained or sent. The draft vocabulary is part of the heads' config (and of what the server sends).
 """
@@ -34,9 +34,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from common.base import BaseModel
-from common.eagle import GEOMETRY_KEYS, ContextCache, DecoderLayer, layer_geometry, layer_shapes
 from common.errors import FedLookaheadError
+from common.heads.eagle import GEOMETRY_KEYS, ContextCache, DecoderLayer, layer_geometry, layer_shapes
+from common.model.base import BaseModel
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"

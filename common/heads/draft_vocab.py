@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from common.base import BaseModel
+from common.data.features import Features
 from common.decoding.core import eos_ids
 from common.errors import FedLookaheadError
-from common.features import Features
+from common.model.base import BaseModel
 
 PUBLIC_FILES_PER_BATCH = 32
 
@@ -49,8 +49,8 @@ def public_draft_vocab(base: BaseModel, size: int, chunks: int = 256, chunk_len:
 
     Files are drawn in a seeded order and tokenized only until twice `chunks` chunks are in hand (the
     whole split took most of a small federation's start-up), and the chunks are drawn from those."""
-    from common.data import first_chunks, stdlib_files
-    from common.features import base_features
+    from common.data.chunks import first_chunks, stdlib_files
+    from common.data.features import base_features
 
     generator = torch.Generator().manual_seed(seed)
     files = stdlib_files("train")

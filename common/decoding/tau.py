@@ -6,9 +6,9 @@ import logging
 
 import torch
 
-from common.base import BaseModel
 from common.decoding import AmsPolicy, generate
-from common.heads import DraftHeads
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
-from common.attention import GQA_ATTENTION
 from common.errors import FedLookaheadError
-from common.int8_kernels import KernelReport
-from common.quant import quantize_base_int8
+from common.model.attention import GQA_ATTENTION
+from common.model.int8_kernels import KernelReport
+from common.model.quant import quantize_base_int8
 
 hf_logging.disable_progress_bar()  # loading a few-MB checkpoint needs no progress bar of its own
 
@@ -32,7 +32,9 @@ class BaseModel:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
     path: Path
-    int8_kernel: KernelReport | None = None  # int8 linear layers (common.quant): the kernel in use, as measured here
+    int8_kernel: KernelReport | None = (
+        None  # int8 linear layers (common.model.quant): the kernel in use, as measured here
+    )
 
     @property
     def int8(self) -> bool:
@@ -148,8 +150,8 @@ def load_base(
 ) -> BaseModel:
     """Load a local causal LM directory with its tokenizer, frozen and in eval mode.
 
-    `int8` quantizes its linear layers for a CPU device (see common.quant), with the integer product measured
-    fastest among the exact ones here (common.int8_kernels); the rest stays in fp32.
+    `int8` quantizes its linear layers for a CPU device (see common.model.quant), with the integer product measured
+    fastest among the exact ones here (common.model.int8_kernels); the rest stays in fp32.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -184,7 +186,9 @@ def load_base(
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
     if torch_device.type == "cpu" and model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(GQA_ATTENTION)  # trees verify without copying keys per head (common.attention)
+        model.set_attn_implementation(
+            GQA_ATTENTION
+        )  # trees verify without copying keys per head (common.model.attention)
     fingerprint = fingerprint_dir(path)
     int8_kernel = quantize_base_int8(model, tokenizer, fingerprint) if int8 else None
     return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8_kernel=int8_kernel)

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from common.data import read_text, stdlib_files
+from common.data.chunks import read_text, stdlib_files
 from common.errors import FedLookaheadError
 from common.paths import cache_root
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from common.base import BaseModel
-from common.data import chunk_files, stdlib_files
-from common.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from common.data.chunks import chunk_files, stdlib_files
+from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from common.model.base import BaseModel
 from common.paths import cache_root
-from common.training import fit_heads
+from common.training.loop import fit_heads
 
 PUBLIC_CHUNKS = 640  # public training chunks (82k tokens at 128): base features take ~1.5 min on 2 cores
 HELDOUT_CHUNKS = 64

@@ -76,7 +76,7 @@ class ContextCache:
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP (the Llama layer), with the two row kinds of the module docstring.
 
-    `geometry` is checked where the heads' config is (common.heads.HeadsConfig.validate)."""
+    `geometry` is checked where the heads' config is (common.heads.lookahead.HeadsConfig.validate)."""
 
     def __init__(self, hidden_size: int, geometry: dict[str, float]) -> None:
         super().__init__()

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from common.attention import cache_kwarg
 from common.errors import FedLookaheadError
+from common.model.attention import cache_kwarg
 from common.paths import calibration_dir
 
 INT8_MAX = 127

@@ -6,7 +6,7 @@ a mask. PyTorch's CPU kernel takes them (`enable_gqa`), so on a CPU the copy is 
 base (9 query heads over 3 key/value heads) it was most of what a 4-node tree's attention cost beyond a
 single token's.
 
-`exact_attention` is the same in float64, rounded back: the int8 base needs it (see common.quant).
+`exact_attention` is the same in float64, rounded back: the int8 base needs it (see common.model.quant).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every linear layer of the frozen base (the LM head included) keeps its weights in int8, one scale per
 output channel, and quantizes its input on the fly, one scale per token (row). The product runs in
-integers (the kernel measured fastest among those checked exact on this CPU: common.int8_kernels), so it
+integers (the kernel measured fastest among those checked exact on this CPU: common.model.int8_kernels), so it
 is exact: a token's output row depends on that row alone, bit for bit,
 whether the row is one token of plain decoding or one node of a 33-node tree. That is what keeps AMS-LD
 lossless against this quantized base. A per-tensor activation scale (what the deprecated
@@ -10,7 +10,7 @@ lossless against this quantized base. A per-tensor activation scale (what the de
 
 Layers that read the same input (q/k/v, gate/up) become slices of one fused int8 layer, found by tracing
 which tensor each layer reads: one quantization and one product instead of three or two. With oneDNN
-and the fused layers, and with grouped key/value heads left to the attention kernel (common.attention),
+and the fused layers, and with grouped key/value heads left to the attention kernel (common.model.attention),
 a one-token step of the embedded base went from 41 to 38 ms and a 4-node tree from 55 to 45 ms (2 threads).
 
 Smoothing (SmoothQuant, Xiao et al. 2023): a few input channels carry outlier activations, and one
@@ -45,8 +45,8 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 
-from common.attention import EXACT_ATTENTION
-from common.int8_kernels import (
+from common.model.attention import EXACT_ATTENTION
+from common.model.int8_kernels import (
     INT8_MAX,
     INT_MM,
     KERNELS,
@@ -306,7 +306,10 @@ def trace_inputs(
 
 def public_calibration(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """The smoothing's calibration text: 16 chunks of 128 tokens of public code (stdlib training split)."""
-    from common.data import first_chunks, stdlib_files  # here: common.data imports common.base, which imports us
+    from common.data.chunks import (  # here: common.data.chunks imports common.model.base, which imports us
+        first_chunks,
+        stdlib_files,
+    )
 
     files = [f for f in stdlib_files("train") if f.stat().st_size > 4096]  # long enough: no skip warnings
     return first_chunks(files, tokenizer, CALIBRATION_CHUNK_LEN, CALIBRATION_CHUNKS, 16)[:CALIBRATION_CHUNKS]

@@ -1,7 +1,7 @@
 """What the commands of every side share: the one-line error exit, the base and dtype options.
 
-A module of its own so that `client.cli` and `server.cli` can import it while `common.cli` is still
-loading their plug-ins (importing `common.cli` from them would be circular).
+A module of its own so that `client.cli` and `server.cli` can import it while `common.cli.app` is still
+loading their plug-ins (importing `common.cli.app` from them would be circular).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import NoReturn, Optional
 import torch
 import typer
 
-from common.base import DTYPES as base_dtypes
-from common.base import BaseModel, Loading
 from common.errors import FedLookaheadError
+from common.model.base import DTYPES as base_dtypes
+from common.model.base import BaseModel, Loading
 
 
 def fail(message: str) -> NoReturn:
@@ -46,7 +46,7 @@ def base_loading(device: str = "auto", dtype: str = "auto") -> Loading:
 def open_base(base: Optional[str], device: str = "auto", dtype: str = "auto") -> BaseModel:
     """The given base (a model directory, or `smollm2` / `toy` by name), else the embedded default. An int8
     base that is slower here than fp32 says so in one line."""
-    from common.default_model import resolve_base
+    from common.model.default import resolve_base
 
     model = base_loading(device, dtype).load(resolve_base(base))
     if model.int8 and (note := model.int8_kernel.slower_than_fp32()):

@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 import typer
 
-from common.base import BaseModel, prompt_ids
-from common.cli_shared import BASE_HELP, BENCH_DTYPE_HELP, DTYPE_HELP, check_output_path, fail, open_base
+from common.cli.shared import BASE_HELP, BENCH_DTYPE_HELP, DTYPE_HELP, check_output_path, fail, open_base
 from common.errors import FedLookaheadError
-from common.training import DEFAULT_DRAFT_VOCAB
+from common.model.base import BaseModel, prompt_ids
+from common.training.loop import DEFAULT_DRAFT_VOCAB
 
 PLUGIN_GROUP = "fedlookahead.cli"
 
@@ -55,7 +55,7 @@ def bootstrap(
     force: bool = typer.Option(False, help="Convert / rebuild even if it exists."),
 ) -> None:
     """Prepare an embedded base model once; the last line printed is its directory."""
-    from common.default_model import ensure_named_base
+    from common.model.default import ensure_named_base
 
     try:
         target = ensure_named_base(base, force=force)
@@ -100,9 +100,9 @@ def train_heads_cmd(
     device: str = typer.Option("auto"),
 ) -> None:
     """Centralised head training on cached base features; prints per-head top-1 accuracy on held-out code."""
-    from common.data import chunk_files, load_chunks, stdlib_files, text_files
-    from common.heads import ARCHITECTURES
-    from common.training import fit_heads
+    from common.data.chunks import chunk_files, load_chunks, stdlib_files, text_files
+    from common.heads.lookahead import ARCHITECTURES
+    from common.training.loop import fit_heads
 
     if arch not in ARCHITECTURES:
         fail(f"unknown --arch {arch!r}: use one of {', '.join(ARCHITECTURES)}")
@@ -164,7 +164,7 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str, state_di
     import warnings
 
     from common.decoding import load_heads
-    from common.heads import DraftHeads
+    from common.heads.lookahead import DraftHeads
 
     if mode not in ("ams", "fused"):
         return None
@@ -329,9 +329,9 @@ def bench_decode_cmd(
     ),
 ) -> None:
     """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
-    from common.bench import decode_benchmark, format_table, int8_quality
-    from common.data import prompts_from_files, stdlib_files, text_files
+    from common.data.chunks import prompts_from_files, stdlib_files, text_files
     from common.decoding import cost_curve
+    from common.decoding.bench import decode_benchmark, format_table, int8_quality
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """Head training: the loss, one epoch, evaluation. Shared by `fedla train-heads` and the DP client.
 
-Training reads cached base features (common/features.py), never the base itself. The targets are
+Training reads cached base features (common/data/features.py), never the base itself. The targets are
 the ones decoding will check: at position t the heads fuse the real next token x_{t+1} (then, step
 by step, x_{t+2}, ...) and head k must predict the base's own greedy choice after x_{t+k}, which is
 what verification accepts, rather than the text (a small base disagrees with the text about half
@@ -17,11 +17,11 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from common.base import BaseModel
-from common.distill import greedy_continuations
-from common.draft_vocab import build_draft_vocab, coverage
-from common.features import Features, base_features, fast_feature_dtype
-from common.heads import DraftHeads
+from common.data.distill import greedy_continuations
+from common.data.features import Features, base_features, fast_feature_dtype
+from common.heads.draft_vocab import build_draft_vocab, coverage
+from common.heads.lookahead import DraftHeads
+from common.model.base import BaseModel
 
 DEFAULT_DRAFT_VOCAB = (
     8192  # heads score the 8,192 most frequent greedy tokens (measured: see simulations/bench_heads.py)
@@ -223,7 +223,7 @@ def fit_heads(
     the same public chunks (draft_vocab_size 0: the whole vocabulary).
 
     `distill_chunks` > 0 adds that many self-distilled chunks: the first half of a public chunk
-    followed by the base's own greedy continuation (common/distill.py).
+    followed by the base's own greedy continuation (common/data/distill.py).
     """
     started = time.perf_counter()
     distilled = chunks[:0]

@@ -1,0 +1,1 @@
+"""Files to chunks (the only chunker), cached base features, self-distilled chunks."""

@@ -1,0 +1,1 @@
+"""Training the heads: loss and loop, and the public heads every run starts from."""
