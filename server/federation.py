@@ -105,7 +105,7 @@ def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
                 f"SecAgg+ threshold {threshold} exceeds the {neighbours} neighbours each client has "
                 f"({sampled} clients per round, {shares} shares): every round would abort"
             )
-        tolerated = neighbours - threshold
+        tolerated = config.secagg_tolerated_dropouts(sampled)
         info.update(num_shares=shares, threshold=threshold, tolerated_dropouts=tolerated)
         planned_drops = int(round(config.dropout_rate * sampled))
         if planned_drops > tolerated:

@@ -23,6 +23,7 @@ from common.data.chunks import stdlib_dir
 from common.data.features import compute_features, fast_feature_dtype
 from common.errors import FedLookaheadError
 from common.federation.config import DEFAULTS, HELP, FedConfig
+from common.federation.protocol import ReplyError, TrainReply
 from common.federation.records import (
     BaseMismatchError,
     check_base,
@@ -33,7 +34,6 @@ from common.federation.records import (
     heads_to_ndarrays,
     load_ndarrays,
     validate_masked,
-    validate_metrics,
     validate_update,
 )
 from common.heads.lookahead import DraftHeads
@@ -117,9 +117,11 @@ def test_validation_names_the_problem(tiny_base):
     assert "out-of-range" in validate_masked([np.array([-1])] + masked[1:], shapes, 2**32)
     assert "wrong shape" in validate_masked(masked[:1] + [np.zeros((3, 3), dtype=np.int64)] + masked[2:], shapes, 2**32)
     assert "integers" in validate_masked(masked[:1] + [m.astype(np.float32) for m in masked[1:]], shapes, 2**32)
-    assert validate_metrics({"epsilon": math.inf, "loss": 1.0}) is None  # no DP is honest
-    assert "non-finite" in validate_metrics({"loss": float("nan")})
-    assert "out-of-range" in validate_metrics({"acc-1": 1.5})
+    assert TrainReply.from_metrics(1, {"epsilon": math.inf, "loss": 1.0}).epsilon == math.inf  # no DP is honest
+    with pytest.raises(ReplyError, match="non-finite"):
+        TrainReply.from_metrics(1, {"loss": float("nan")})
+    with pytest.raises(ReplyError, match="out-of-range"):
+        TrainReply.from_metrics(1, {"acc-1": 1.5})
     with pytest.raises(FedLookaheadError, match="non-finite"):
         load_ndarrays(heads, nan)
 

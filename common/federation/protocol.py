@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # ------------------------------------------------------------------------------------------ keys
@@ -251,9 +251,6 @@ class TrainReply:
         out.update({f"{ACC_PREFIX}{k}": float(a) for k, a in enumerate(self.head_accuracy, start=1)})
         return out
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # ------------------------------------------------------------------------------------------- eval
 
@@ -316,15 +313,6 @@ class EvalReply:
         if self.tau is not None:
             out[TAU] = float(self.tau)
         return out
-
-
-def reason_of(check, *args, **kwargs) -> str | None:
-    """None if `check(*args)` passes, else its one-line ReplyError message."""
-    try:
-        check(*args, **kwargs)
-    except ReplyError as exc:
-        return str(exc)
-    return None
 
 
 # ------------------------------------------------------------------------------------------ round

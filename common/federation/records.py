@@ -197,13 +197,3 @@ def validate_masked(arrays: list[np.ndarray], shapes: Shapes, mod_range: int) ->
         if array.size and (int(array.min()) < 0 or int(array.max()) >= mod_range):
             return f"out-of-range values in masked {name}: outside [0, {mod_range})"
     return None
-
-
-def validate_metrics(metrics: Mapping[str, Any], num_heads: int | None = None) -> str | None:
-    """None if train metrics are well-formed (common.federation.protocol.TrainReply), else the one-line reason."""
-    skipped = metrics.get("skipped", 0)
-    try:  # the weight is checked with the reply (TrainReply.from_content); here only the metrics
-        TrainReply.from_metrics(0 if skipped else 1, metrics, num_heads)
-    except ReplyError as exc:
-        return str(exc)
-    return None

@@ -24,7 +24,6 @@ trained or sent. The draft vocabulary is part of the heads' config (and of what 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,10 +104,6 @@ class HeadsConfig:
     @property
     def draft_size(self) -> int:
         return len(self.draft_vocab) or self.vocab_size
-
-    @property
-    def draft_vocab_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.draft_vocab).encode()).hexdigest()[:12]
 
     @classmethod
     def from_json(cls, data: object) -> HeadsConfig:
