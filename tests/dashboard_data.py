@@ -135,7 +135,7 @@ def fill_realistic_run(
 
 
 def write_privacy_utility(folder: Path, run_id: str) -> None:
-    """A privacy-utility benchmark JSON (simulations/privacy_utility.py's shape) left in a run's folder."""
+    """A privacy-utility benchmark JSON (simulations/privacy_utility/'s shape) left in a run's folder."""
     entry = lambda tau, run="elsewhere": {"tau_heads_only": tau, "acc": [0.3], "run_dir": f"/runs/{run}"}  # noqa: E731
     result = {
         "clients": 6,

@@ -32,14 +32,16 @@ from server.server_optimizer import ServerOptimizer
 from server.user_dp import user_epsilon, user_noise_multiplier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts
-from simulations import privacy_utility  # noqa: E402
 from simulations.inprocess import InProcessGrid  # noqa: E402
+from simulations.privacy_utility.__main__ import main  # noqa: E402
+from simulations.privacy_utility.configs import QUICK  # noqa: E402
+from simulations.privacy_utility.tau import chain_acceptance  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def quick_result(tiny_base_dir, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("privacy-utility") / "out.json"
-    assert privacy_utility.main(["--quick", "--base", str(tiny_base_dir), "--json", str(out)]) == 0
+    assert main(["--quick", "--base", str(tiny_base_dir), "--json", str(out)]) == 0
     return json.loads(out.read_text()), out
 
 
@@ -50,7 +52,7 @@ def check_entry(entry: dict, heads: int = 4) -> None:
 
 def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
     result, out = quick_result
-    assert result["clients"] == privacy_utility.QUICK.clients and result["rounds"] == privacy_utility.QUICK.rounds
+    assert result["clients"] == QUICK.clients and result["rounds"] == QUICK.rounds
     for name in ("public_only", "federated_nodp", "central_nodp"):
         check_entry(result[name])
     assert sorted(result["dp"], key=float) == ["1", "2", "4", "8"]
@@ -111,7 +113,7 @@ def test_the_teacher_forced_chain_estimate_counts_leading_hits(tiny_base):
     torch.manual_seed(0)
     heads = DraftHeads.fresh(tiny_base, 3)
     features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (3, 12)))
-    got = privacy_utility.chain_acceptance(heads, features)
+    got = chain_acceptance(heads, features)
     logits = heads(features.hidden.float(), features.tokens)
     length, k_max = 12, 3
     accepted = []
