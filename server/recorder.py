@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from common.federation.config import FedConfig
-from common.federation.protocol import RoundRecord, finite_or_none
+from common.federation.protocol import finite_or_none
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
+from server.run.record import RoundRecord
 from server.store import RunStore
 
 log = logging.getLogger("flwr.fedla.server")

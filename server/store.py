@@ -50,7 +50,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from common.federation.protocol import RoundRecord, finite_or_none, integer
+from common.federation.protocol import finite_or_none, integer
+from server.run.record import RoundRecord
 
 DEFAULT_DB_PATH = Path("runs") / "fedla.db"
 RUN_STATUSES = ("running", "finished", "failed")
@@ -547,7 +548,7 @@ class RunStore:
     def record_round(self, run_id: str, record: RoundRecord) -> None:
         """Insert or replace one round's aggregates (keyed by run and round), in one transaction.
 
-        `record` was checked when it was made (common.federation.protocol.RoundRecord); only its aggregates and
+        `record` was checked when it was made (server.run.record.RoundRecord); only its aggregates and
         rejection reasons are kept, never a client's update."""
         run_id = _run_id(run_id)
         if not isinstance(record, RoundRecord):

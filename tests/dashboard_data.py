@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.federation.protocol import RoundRecord
+from server.run.record import RoundRecord
 from server.store import RunStore
 
 SECAGG = {

@@ -22,8 +22,8 @@ with warnings.catch_warnings():
 
 from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
 
-from common.federation.protocol import RoundRecord
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
+from server.run.record import RoundRecord
 from server.store import RunStore
 
 TOKEN = "s3cret-token-0123456789"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.federation.protocol import RoundRecord
+from server.run.record import RoundRecord
 from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
 from tests.dashboard_data import SECAGG
 
@@ -144,7 +144,7 @@ BAD_ROUNDS = [
 
 @pytest.mark.parametrize("field,value,message", BAD_ROUNDS)
 def test_a_bad_round_is_refused_in_one_line_and_loses_nothing(store, field, value, message):
-    """A RoundRecord checks itself when made (common.federation.protocol), so nothing malformed reaches the store."""
+    """A RoundRecord checks itself when made (server.run.record), so nothing malformed reaches the store."""
     store.start_run("run-b", CONFIG, SECAGG)
     store.record_round("run-b", round_record(1))
     before = store.get_rounds("run-b")
