@@ -2,7 +2,7 @@
 
 Where each job lives: the reply guard in server/guard.py, one round (train exchange through Flower's
 SecAgg+ or plain FedAvg workflow, aggregation, evaluations) in server/rounds.py, server and client
-evaluation in server/evaluation.py, and everything written about the run in server/recorder.py. This
+evaluation in server/evaluation.py, and everything written about the run in server/run/recorder.py. This
 module owns the run: the base and the starting heads (public, fresh, a heads folder, or a resumed checkpoint),
 the up-front checks Flower does not make, and the loop.
 """
@@ -32,8 +32,9 @@ from common.model.default import ensure_default_base
 from common.training.loop import DEFAULT_DRAFT_VOCAB
 from server import server_optimizer
 from server.evaluation import ServerEval
-from server.recorder import Recorder, checkpoints_newest_first
 from server.rounds import RoundContext, run_round
+from server.run.folder import RunFolder
+from server.run.recorder import Recorder
 from server.secagg import TolerantSecAggPlusWorkflow
 from server.store import RunStore
 
@@ -130,7 +131,7 @@ def _mark_failed(config: FedConfig, run_dir: Path) -> None:
     try:
         if store.get_run(run_dir.name) is not None:
             store.finish_run(run_dir.name, "failed")
-            store.write_summary(run_dir.name, run_dir / "summary.json")
+            store.write_summary(run_dir.name, RunFolder(run_dir).summary)
     finally:
         store.close()
 
@@ -148,7 +149,7 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
         if not run_dir.is_dir():
             raise FedLookaheadError(f"resume-from: no run folder {run_dir}")
         problems = []
-        for last_round, ckpt in checkpoints_newest_first(run_dir):
+        for last_round, ckpt in RunFolder(run_dir).checkpoints_newest_first():
             try:
                 heads = DraftHeads.load(ckpt, base)  # refuses a checkpoint for another base, or a damaged one
             except FedLookaheadError as exc:
@@ -159,7 +160,7 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
             return run_dir, run_dir.name, heads, last_round + 1
         _mark_failed(config, run_dir)
         raise FedLookaheadError(
-            f"resume-from: no usable checkpoint under {run_dir / 'checkpoints'}"
+            f"resume-from: no usable checkpoint under {RunFolder(run_dir).checkpoints_dir}"
             + (f" (the newest: {problems[0]})" if problems else "")
         )
     run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"

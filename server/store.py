@@ -51,6 +51,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship,
 from sqlalchemy.pool import StaticPool
 
 from common.federation.protocol import finite_or_none, integer
+from server.run.folder import SUMMARY_FILE
 from server.run.record import RoundRecord
 
 DEFAULT_DB_PATH = Path("runs") / "fedla.db"
@@ -647,7 +648,7 @@ class RunStore:
             _fail(f"unknown run id {run_id!r}")
         path = Path(path)
         if path.is_dir():
-            path = path / "summary.json"
+            path = path / SUMMARY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         rounds = self.get_rounds(run_id)
         summary = {

@@ -519,8 +519,8 @@ def test_a_server_killed_between_a_rounds_writes_loses_no_round(run_config, tmp_
     """Issue 29 item 8: killed after round 2's checkpoint but before its store row, the store, summary.json and
     the dashboard showed rounds [1, 3, 4] after resume. Now a checkpoint exists only once its round is recorded,
     and resume reconciles the store with the checkpoints, wherever the server died in round 2's writes."""
-    import server.recorder as recorder_module
-    from server.recorder import Recorder
+    import server.run.recorder as recorder_module
+    from server.run.recorder import Recorder
     from server.store import RunStore
 
     config = dict(run_config, **{"num-server-rounds": 4, "run-id": "killed", "fraction-evaluate": 0.0, "dp": False})

@@ -47,7 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.loopback import host_header_is_loopback, is_loopback, refused_host_message
-from server.recorder import PRIVACY_UTILITY_FILE
+from server.run.folder import PRIVACY_UTILITY_FILE, RunFolder
 from server.store import RunStore, StoreUnavailable, one_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -401,7 +401,7 @@ def privacy_utility_curve(run_folders: list[Path], run_id: str) -> dict | None:
     JSON, or one that cannot be read (the page then simply has no such plot)."""
     for folder in run_folders:
         try:
-            result = json.loads((folder / PRIVACY_UTILITY_FILE).read_text())
+            result = json.loads(RunFolder(folder).privacy_utility.read_text())
             dp = sorted(((float(eps), entry) for eps, entry in result.get("dp", {}).items()), key=lambda p: p[0])
             curve = {
                 "epsilon": [eps for eps, _ in dp],
