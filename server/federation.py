@@ -36,7 +36,7 @@ from server.rounds import RoundContext, run_round
 from server.run.folder import RunFolder
 from server.run.recorder import Recorder
 from server.secagg import TolerantSecAggPlusWorkflow
-from server.store import RunStore
+from server.store.run_store import RunStore
 
 log = logging.getLogger(
     "flwr.fedla.server"

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from server.run.record import RoundRecord
-from server.store import RunStore
+from server.store.run_store import RunStore
 
 SECAGG = {
     "num_shares": 3,

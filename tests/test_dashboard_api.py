@@ -24,7 +24,7 @@ from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_check
 
 from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
 from server.run.record import RoundRecord
-from server.store import RunStore
+from server.store.run_store import RunStore
 
 TOKEN = "s3cret-token-0123456789"
 

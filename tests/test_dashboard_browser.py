@@ -25,7 +25,7 @@ from client import client_app as client_module  # noqa: E402
 from server.dashboard import create_app  # noqa: E402
 from server.federation import FRESH_DP_VERDICT  # noqa: E402
 from server.run.record import RoundRecord  # noqa: E402
-from server.store import RunStore  # noqa: E402
+from server.store.run_store import RunStore  # noqa: E402
 from tests.test_federated_inprocess import run  # noqa: E402
 
 TOKEN = "browser-test-token-0123456789"

@@ -48,7 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.loopback import host_header_is_loopback, is_loopback, refused_host_message
 from server.run.folder import PRIVACY_UTILITY_FILE, RunFolder
-from server.store import RunStore, StoreUnavailable, one_line
+from server.store.engine import StoreUnavailable, one_line
+from server.store.run_store import RunStore
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 STATIC_DIR = PACKAGE_DIR / "static"

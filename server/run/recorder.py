@@ -26,7 +26,7 @@ from common.federation.protocol import finite_or_none
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from server.run.folder import RunFolder
 from server.run.record import RoundRecord
-from server.store import RunStore
+from server.store.run_store import RunStore
 
 log = logging.getLogger("flwr.fedla.server")
 
