@@ -10,7 +10,6 @@ the up-front checks Flower does not make, and the loop.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from datetime import datetime, timezone
@@ -36,6 +35,7 @@ from server.rounds import RoundContext, run_round
 from server.run.folder import RunFolder
 from server.run.recorder import Recorder
 from server.secagg import TolerantSecAggPlusWorkflow
+from server.store.engine import store_url
 from server.store.run_store import RunStore
 
 log = logging.getLogger(
@@ -127,19 +127,13 @@ def server_base(config: FedConfig) -> BaseModel:
 
 def _mark_failed(config: FedConfig, run_dir: Path) -> None:
     """A run that cannot be resumed is a dead one: its store row says failed, not running forever."""
-    store = RunStore(run_store_url(config))
+    store = RunStore(store_url(config.store_url, config.run_dir))
     try:
         if store.get_run(run_dir.name) is not None:
             store.finish_run(run_dir.name, "failed")
             store.write_summary(run_dir.name, RunFolder(run_dir).summary)
     finally:
         store.close()
-
-
-def run_store_url(config: FedConfig) -> str:
-    """The run store: store-url, else $FEDLA_DB, else <run-dir>/fedla.db."""
-    run_root = Path(config.run_dir).expanduser().resolve()
-    return config.store_url or os.environ.get("FEDLA_DB") or str(run_root / "fedla.db")
 
 
 def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tuple[Path, str, DraftHeads, int]:
@@ -187,7 +181,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
     """The whole federated run; returns runs/<run-id>. Raises (after marking the run failed) on fatal errors."""
     base = server_base(config)
     run_dir, run_id, heads, start_round = _starting_heads(config, base, context)
-    store = RunStore(run_store_url(config))
+    store = RunStore(store_url(config.store_url, config.run_dir))
     recorder = Recorder(run_dir, run_id, store)
     recorder.start(config)
     stop = None

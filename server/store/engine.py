@@ -15,18 +15,21 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from common.federation.config import DEFAULTS
 from server.store.migrations import ensure_schema
 from server.store.schema import SCHEMA_VERSION, SchemaVersion
 
-DEFAULT_DB_PATH = Path("runs") / "fedla.db"
+DB_FILE = "fedla.db"  # the run store's SQLite file in the run-dir, beside the runs' <run-id>/ folders
+DB_ENV = "FEDLA_DB"
 
 
-def default_url() -> str:
-    """$FEDLA_DB (a SQLAlchemy URL or a file path), else the SQLite file runs/fedla.db."""
-    configured = os.environ.get("FEDLA_DB", "").strip()
-    if configured:
-        return configured if "://" in configured else f"sqlite:///{Path(configured)}"
-    return f"sqlite:///{DEFAULT_DB_PATH}"
+def store_url(url: str | None = None, run_dir: str | Path | None = None) -> str:
+    """Where the run store is, by one rule for the server and the dashboard: `url` (the run config's
+    store-url, the dashboard's --db), else $FEDLA_DB, else the SQLite file fedla.db in `run_dir` (the run
+    config's run-dir; without one, run-dir's default, runs/). Each is a SQLAlchemy URL or a file path (a
+    bare path is a SQLite file: `StoreEngine`)."""
+    default = Path(run_dir or DEFAULTS["run-dir"]).expanduser().resolve() / DB_FILE
+    return url or os.environ.get(DB_ENV, "").strip() or str(default)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -83,7 +86,7 @@ class StoreEngine:
     """
 
     def __init__(self, url: str | None = None, *, read_only: bool = False):
-        url = url if url is not None else default_url()
+        url = url if url is not None else store_url()
         if "://" not in url:  # a bare path is a SQLite file
             url = f"sqlite:///{Path(url)}"
         try:
