@@ -592,7 +592,7 @@ def test_dashboard_api_over_a_store_filled_by_a_real_simulation(run_config):
     """The dashboard reads what the real ServerApp loop wrote: two SecAgg+ DP rounds of 3 ClientApps."""
     from fastapi.testclient import TestClient
 
-    from server.dashboard import create_app
+    from server.dashboard.app import create_app
 
     config = dict(run_config, **{"num-server-rounds": 2, "run-id": "real-sim"})
     run_dir, summary, _ = run(config, client_module.app, nodes=3)
