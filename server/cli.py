@@ -32,7 +32,7 @@ def dashboard_cmd(
     ),
 ) -> None:
     """Read-only web dashboard of federated runs: live plots, SecAgg+ settings, checkpoint download."""
-    from server.dashboard import serve
+    from server.dashboard.serve import serve
 
     try:
         serve(db, host=host, port=port, token=token, run_dir=run_dir)

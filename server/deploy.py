@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.errors import FedLookaheadError
+from server.run.folder import RunFolder
 from server.superlink import SuperLink, TlsFiles
 
 
@@ -107,8 +108,9 @@ def serve(
         if run:
             code, _ = link.submit(app_dir, values, log_path=state_dir / "last-run.log", timeout=run_timeout)
             status = "unknown (no summary.json)"
-            if (run_folder / "summary.json").is_file():
-                status = json.loads((run_folder / "summary.json").read_text()).get("run", {}).get("status", "unknown")
+            summary = RunFolder(run_folder).summary
+            if summary.is_file():
+                status = json.loads(summary.read_text()).get("run", {}).get("status", "unknown")
             emit(f"run {status}: {run_folder} (flwr run exit code {code}; full log {state_dir / 'last-run.log'})")
             code = 0 if (code == 0 and status == "finished") else 1
         if keep_running or not run:

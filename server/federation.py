@@ -2,7 +2,7 @@
 
 Where each job lives: the reply guard in server/guard.py, one round (train exchange through Flower's
 SecAgg+ or plain FedAvg workflow, aggregation, evaluations) in server/rounds.py, server and client
-evaluation in server/evaluation.py, and everything written about the run in server/recorder.py. This
+evaluation in server/evaluation.py, and everything written about the run in server/run/recorder.py. This
 module owns the run: the base and the starting heads (public, fresh, a heads folder, or a resumed checkpoint),
 the up-front checks Flower does not make, and the loop.
 """
@@ -10,7 +10,6 @@ the up-front checks Flower does not make, and the loop.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from datetime import datetime, timezone
@@ -32,10 +31,12 @@ from common.model.default import ensure_default_base
 from common.training.loop import DEFAULT_DRAFT_VOCAB
 from server import server_optimizer
 from server.evaluation import ServerEval
-from server.recorder import Recorder, checkpoints_newest_first
 from server.rounds import RoundContext, run_round
+from server.run.folder import RunFolder
+from server.run.recorder import Recorder
 from server.secagg import TolerantSecAggPlusWorkflow
-from server.store import RunStore
+from server.store.engine import store_url
+from server.store.run_store import RunStore
 
 log = logging.getLogger(
     "flwr.fedla.server"
@@ -126,19 +127,13 @@ def server_base(config: FedConfig) -> BaseModel:
 
 def _mark_failed(config: FedConfig, run_dir: Path) -> None:
     """A run that cannot be resumed is a dead one: its store row says failed, not running forever."""
-    store = RunStore(run_store_url(config))
+    store = RunStore(store_url(config.store_url, config.run_dir))
     try:
         if store.get_run(run_dir.name) is not None:
             store.finish_run(run_dir.name, "failed")
-            store.write_summary(run_dir.name, run_dir / "summary.json")
+            store.write_summary(run_dir.name, RunFolder(run_dir).summary)
     finally:
         store.close()
-
-
-def run_store_url(config: FedConfig) -> str:
-    """The run store: store-url, else $FEDLA_DB, else <run-dir>/fedla.db."""
-    run_root = Path(config.run_dir).expanduser().resolve()
-    return config.store_url or os.environ.get("FEDLA_DB") or str(run_root / "fedla.db")
 
 
 def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tuple[Path, str, DraftHeads, int]:
@@ -148,7 +143,7 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
         if not run_dir.is_dir():
             raise FedLookaheadError(f"resume-from: no run folder {run_dir}")
         problems = []
-        for last_round, ckpt in checkpoints_newest_first(run_dir):
+        for last_round, ckpt in RunFolder(run_dir).checkpoints_newest_first():
             try:
                 heads = DraftHeads.load(ckpt, base)  # refuses a checkpoint for another base, or a damaged one
             except FedLookaheadError as exc:
@@ -159,7 +154,7 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
             return run_dir, run_dir.name, heads, last_round + 1
         _mark_failed(config, run_dir)
         raise FedLookaheadError(
-            f"resume-from: no usable checkpoint under {run_dir / 'checkpoints'}"
+            f"resume-from: no usable checkpoint under {RunFolder(run_dir).checkpoints_dir}"
             + (f" (the newest: {problems[0]})" if problems else "")
         )
     run_id = config.run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{context.run_id}"
@@ -186,7 +181,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
     """The whole federated run; returns runs/<run-id>. Raises (after marking the run failed) on fatal errors."""
     base = server_base(config)
     run_dir, run_id, heads, start_round = _starting_heads(config, base, context)
-    store = RunStore(run_store_url(config))
+    store = RunStore(store_url(config.store_url, config.run_dir))
     recorder = Recorder(run_dir, run_id, store)
     recorder.start(config)
     stop = None

@@ -35,7 +35,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY, RoundRecord
+from common.federation.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY
 from common.federation.records import (
     expected_shapes,
     heads_config_dict,
@@ -47,6 +47,7 @@ from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
 from server.evaluation import ServerEval, client_evaluation
 from server.guard import ExchangeLog, GuardedGrid, short_reason
+from server.run.record import RoundRecord
 from server.secagg import TolerantSecAggPlusWorkflow
 
 log = logging.getLogger("flwr.fedla.server")

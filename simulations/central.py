@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         report["train_seconds"] = time.perf_counter() - started
         report["train"] = history[-1]
     report["central"] = evaluation.run(heads, base, config, heads_only=True)
-    from server.recorder import latest_checkpoint
+    from server.run.folder import RunFolder
 
     report["federated"] = {}
     for run_dir in args.compare:
-        found = latest_checkpoint(Path(run_dir))
+        found = RunFolder(Path(run_dir)).latest_checkpoint()
         if found is None:
             continue
         federated = evaluation.run(DraftHeads.load(found[1], base), base, config, heads_only=True)

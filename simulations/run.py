@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = json.loads(summary_file.read_text())
     if not (run_dir / "plot.png").is_file():
-        from server.report import plot_run
+        from server.run.plot import plot_run
 
         plot_run(run_dir)
     (run_dir / "scenario.json").write_text(

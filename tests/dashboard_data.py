@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.federation.protocol import RoundRecord
-from server.store import RunStore
+from server.run.record import RoundRecord
+from server.store.run_store import RunStore
 
 SECAGG = {
     "num_shares": 3,
@@ -67,7 +67,7 @@ def fill_realistic_run(
     seed: int = 0,
 ) -> None:
     """Record `rounds` rounds; with `run_dir`, also checkpoints where the server writes them:
-    ``<run_dir>/<run_id>/checkpoints/round-<r>`` (server/recorder.py)."""
+    ``<run_dir>/<run_id>/checkpoints/round-<r>`` (server/run/folder.py)."""
     rng = random.Random(seed)
     config = {
         "num_rounds": rounds,

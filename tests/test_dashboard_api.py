@@ -22,9 +22,11 @@ with warnings.catch_warnings():
 
 from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_checkpoint, write_privacy_utility
 
-from common.federation.protocol import RoundRecord
-from server.dashboard import PRIVACY_NOTE, _RedactToken, check_bind, create_app
-from server.store import RunStore
+from server.dashboard.app import create_app
+from server.dashboard.pages import PRIVACY_NOTE
+from server.dashboard.serve import _RedactToken, check_bind
+from server.run.record import RoundRecord
+from server.store.run_store import RunStore
 
 TOKEN = "s3cret-token-0123456789"
 

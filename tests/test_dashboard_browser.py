@@ -22,10 +22,10 @@ pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not in
 from dashboard_data import fill_realistic_run, write_privacy_utility  # noqa: E402
 
 from client import client_app as client_module  # noqa: E402
-from common.federation.protocol import RoundRecord  # noqa: E402
-from server.dashboard import create_app  # noqa: E402
+from server.dashboard.app import create_app  # noqa: E402
 from server.federation import FRESH_DP_VERDICT  # noqa: E402
-from server.store import RunStore  # noqa: E402
+from server.run.record import RoundRecord  # noqa: E402
+from server.store.run_store import RunStore  # noqa: E402
 from tests.test_federated_inprocess import run  # noqa: E402
 
 TOKEN = "browser-test-token-0123456789"

@@ -30,8 +30,9 @@ with warnings.catch_warnings():
 from dashboard_data import fill_realistic_run
 
 from common.cli.app import app as cli
-from server.dashboard import create_app
-from server.store import RunStore, StoreUnavailable
+from server.dashboard.app import create_app
+from server.store.engine import StoreUnavailable
+from server.store.run_store import RunStore
 
 NOBODY = 65534
 

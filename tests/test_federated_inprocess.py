@@ -490,7 +490,7 @@ def test_resume_continues_heads_and_privacy_accounting(run_config, tiny_base, tm
 def test_resume_skips_a_half_written_checkpoint_and_a_run_it_cannot_resume_is_marked_failed(run_config, tmp_path):
     """Issue 29: a truncated weights file made resume fail with "no heads in .../round-N" and the run showed
     "running" forever. Now resume takes the newest checkpoint that loads; with none, the run is failed."""
-    from server.store import RunStore
+    from server.store.run_store import RunStore
 
     config = dict(run_config, **{"num-server-rounds": 2, "run-id": "crashy", "fraction-evaluate": 0.0, "dp": False})
     run_dir, _, _ = run(config, recording_app({}))
@@ -519,9 +519,9 @@ def test_a_server_killed_between_a_rounds_writes_loses_no_round(run_config, tmp_
     """Issue 29 item 8: killed after round 2's checkpoint but before its store row, the store, summary.json and
     the dashboard showed rounds [1, 3, 4] after resume. Now a checkpoint exists only once its round is recorded,
     and resume reconciles the store with the checkpoints, wherever the server died in round 2's writes."""
-    import server.recorder as recorder_module
-    from server.recorder import Recorder
-    from server.store import RunStore
+    import server.run.recorder as recorder_module
+    from server.run.recorder import Recorder
+    from server.store.run_store import RunStore
 
     config = dict(run_config, **{"num-server-rounds": 4, "run-id": "killed", "fraction-evaluate": 0.0, "dp": False})
     target = recorder_module if dies_in == "save_checkpoint" else RunStore
@@ -552,7 +552,7 @@ def test_a_server_killed_between_a_rounds_writes_loses_no_round(run_config, tmp_
 def test_resume_restores_a_round_row_an_older_server_lost(run_config, tmp_path):
     """The order of the writes used to be checkpoint first: a run killed then has a checkpoint and a round file
     but no store row. Resume puts the row back from rounds/round-N.json."""
-    from server.store import RunStore
+    from server.store.run_store import RunStore
 
     config = dict(run_config, **{"num-server-rounds": 2, "run-id": "old-order", "fraction-evaluate": 0.0, "dp": False})
     run_dir, summary, _ = run(config, recording_app({}))
@@ -592,7 +592,7 @@ def test_dashboard_api_over_a_store_filled_by_a_real_simulation(run_config):
     """The dashboard reads what the real ServerApp loop wrote: two SecAgg+ DP rounds of 3 ClientApps."""
     from fastapi.testclient import TestClient
 
-    from server.dashboard import create_app
+    from server.dashboard.app import create_app
 
     config = dict(run_config, **{"num-server-rounds": 2, "run-id": "real-sim"})
     run_dir, summary, _ = run(config, client_module.app, nodes=3)

@@ -73,7 +73,7 @@ def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
 
 def test_every_federated_run_folder_carries_the_curve_for_the_dashboard(quick_result):
     """The dashboard reads the benchmark JSON from a run's folder and places that run on the curve."""
-    from server.dashboard import privacy_utility_curve
+    from server.dashboard.benchmark import privacy_utility_curve
 
     result, _ = quick_result
     run_dir = Path(result["dp"]["2"]["run_dir"])

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from common.federation.protocol import RoundRecord
-from server.store import MIGRATIONS, SCHEMA_VERSION, STORE_TABLES, RunStore
+from server.run.record import RoundRecord
+from server.store.migrations import MIGRATIONS
+from server.store.run_store import RunStore
+from server.store.schema import SCHEMA_VERSION, STORE_TABLES
 from tests.dashboard_data import SECAGG
 
 CONFIG = {"num_rounds": 3, "num_heads": 2, "clients_per_round": 4, "lr": 0.001, "noise_multiplier": 0.8}
@@ -144,7 +146,7 @@ BAD_ROUNDS = [
 
 @pytest.mark.parametrize("field,value,message", BAD_ROUNDS)
 def test_a_bad_round_is_refused_in_one_line_and_loses_nothing(store, field, value, message):
-    """A RoundRecord checks itself when made (common.federation.protocol), so nothing malformed reaches the store."""
+    """A RoundRecord checks itself when made (server.run.record), so nothing malformed reaches the store."""
     store.start_run("run-b", CONFIG, SECAGG)
     store.record_round("run-b", round_record(1))
     before = store.get_rounds("run-b")
@@ -205,7 +207,8 @@ def test_default_url_and_env_override(tmp_path, monkeypatch):
 CRASHER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
-    from server.store import Round, RunStore
+    from server.store.run_store import RunStore
+    from server.store.schema import Round
     from tests.test_store import CONFIG, SECAGG, round_record
     store = RunStore(sys.argv[1])
     store.start_run("crash", CONFIG, SECAGG)

@@ -85,8 +85,8 @@ def run_page_url(base_url: str, run_id: str, token: str | None = None) -> str:
 
 def screenshot_run(db: str | None, run_id: str, out: Path, *, width: int = 1400, timeout_s: float = 30) -> Path:
     """Render the run page of ``run_id`` from database ``db`` and save a full-page PNG at ``out``."""
-    from server.dashboard import create_app
-    from server.store import RunStore
+    from server.dashboard.app import create_app
+    from server.store.run_store import RunStore
 
     store = RunStore(db, read_only=True)  # refuses a missing store; never writes
     if store.get_run(run_id) is None:

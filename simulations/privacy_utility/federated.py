@@ -43,9 +43,9 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
 
 def final_heads(run_dir: Path, base):
     from common.heads.lookahead import DraftHeads
-    from server.recorder import latest_checkpoint
+    from server.run.folder import RunFolder
 
-    found = latest_checkpoint(run_dir)
+    found = RunFolder(run_dir).latest_checkpoint()
     if found is None:
         raise RuntimeError(f"no checkpoint in {run_dir}")
     return DraftHeads.load(found[1], base)

@@ -116,7 +116,7 @@ class Session:
                 "meta": {**self.meta, "seconds": self.timings, "total_seconds": time.perf_counter() - self.started},
             }
         )
-        from server.recorder import PRIVACY_UTILITY_FILE
+        from server.run.folder import PRIVACY_UTILITY_FILE
 
         text = json.dumps(payload, indent=1)
         self.out_json.write_text(text)

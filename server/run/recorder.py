@@ -22,32 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from common.federation.config import FedConfig
-from common.federation.protocol import RoundRecord, finite_or_none
+from common.federation.protocol import finite_or_none
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
-from server.store import RunStore
+from server.run.folder import RunFolder
+from server.run.record import RoundRecord
+from server.store.run_store import RunStore
 
 log = logging.getLogger("flwr.fedla.server")
-
-PRIVACY_UTILITY_FILE = (
-    "privacy_utility.json"  # a privacy-utility benchmark this run was part of (the dashboard plots it)
-)
-
-
-def checkpoints_newest_first(run_dir: Path) -> list[tuple[int, Path]]:
-    """(round, folder) of every checkpoint under `run_dir`/checkpoints with both heads files, newest first.
-    Whether one loads is for its reader to find out (a checkpoint written before they were atomic may be
-    truncated)."""
-    found = []
-    for path in (run_dir / "checkpoints").glob("round-*"):
-        suffix = path.name.removeprefix("round-")
-        if suffix.isdigit() and (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
-            found.append((int(suffix), path))
-    return sorted(found, reverse=True)
-
-
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """(round, folder) of the newest checkpoint with both heads files, None if there is none."""
-    return next(iter(checkpoints_newest_first(run_dir)), None)
 
 
 def save_checkpoint(heads: DraftHeads, folder: Path) -> Path:
@@ -84,9 +65,9 @@ class Recorder:
     """Writes one run's records: `start`, then `record` once per round, then `finish`."""
 
     def __init__(self, run_dir: Path, run_id: str, store: RunStore) -> None:
-        self.run_dir, self.run_id, self.store = run_dir, run_id, store
-        (run_dir / "rounds").mkdir(parents=True, exist_ok=True)
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.folder, self.run_id, self.store = RunFolder(run_dir), run_id, store
+        self.folder.rounds_dir.mkdir(parents=True, exist_ok=True)
+        self.folder.checkpoints_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, config: FedConfig) -> None:
         """The run's row in the store (a resumed run is set back to running, its rounds kept)."""
@@ -102,7 +83,7 @@ class Recorder:
 
     def describe(self, info: dict[str, Any]) -> None:
         """run.json: what the run is (config, plan, base, head size), written once it is known."""
-        (self.run_dir / "run.json").write_text(json.dumps(finite_or_none(info), indent=2))
+        self.folder.run_file.write_text(json.dumps(finite_or_none(info), indent=2))
         self.store.record_plan(self.run_id, info["plan"])
 
     def record_starting_heads(self, evaluation: dict[str, Any]) -> None:
@@ -112,10 +93,10 @@ class Recorder:
 
     def record(self, record: RoundRecord, heads: DraftHeads) -> None:
         """The round's checkpoint, round file, store row and summary, and its one log line."""
-        write_atomically(self._round_file(record.round), json.dumps(record.to_json(), indent=2))
+        write_atomically(self.folder.round_file(record.round), json.dumps(record.to_json(), indent=2))
         self.store.record_round(self.run_id, record)
-        self._record_checkpoint(record.round, save_checkpoint(heads, self._checkpoint_dir(record.round)))
-        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
+        self._record_checkpoint(record.round, save_checkpoint(heads, self.folder.checkpoint(record.round)))
+        self.store.write_summary(self.run_id, self.folder.summary)
         log.info(
             "round %d: %s",
             record.round,
@@ -132,12 +113,6 @@ class Recorder:
                 )
             ),
         )
-
-    def _round_file(self, server_round: int) -> Path:
-        return self.run_dir / "rounds" / f"round-{server_round}.json"
-
-    def _checkpoint_dir(self, server_round: int) -> Path:
-        return self.run_dir / "checkpoints" / f"round-{server_round}"
 
     def _record_checkpoint(self, server_round: int, folder: Path) -> None:
         config = json.loads((folder / CONFIG_FILE).read_text())
@@ -157,32 +132,34 @@ class Recorder:
             log.warning("resume: rounds %s had no checkpoint and are redone", forgotten)
         recorded_rounds = {r["round"] for r in self.store.get_rounds(self.run_id)}
         recorded_checkpoints = {c["round"] for c in self.store.checkpoints(self.run_id)}
-        for server_round, folder in sorted(checkpoints_newest_first(self.run_dir)):
+        for server_round, folder in sorted(self.folder.checkpoints_newest_first()):
             if server_round > resumed_round:
                 continue
             if server_round not in recorded_rounds:
                 try:
-                    record = RoundRecord.from_json(json.loads(self._round_file(server_round).read_text()))
+                    record = RoundRecord.from_json(json.loads(self.folder.round_file(server_round).read_text()))
                 except (OSError, ValueError) as exc:
                     log.warning("resume: round %d's record is lost (%s)", server_round, exc)
                 else:
                     self.store.record_round(self.run_id, record)
                     log.info(
-                        "resume: round %d's store row restored from %s", server_round, self._round_file(server_round)
+                        "resume: round %d's store row restored from %s",
+                        server_round,
+                        self.folder.round_file(server_round),
                     )
             if server_round not in recorded_checkpoints:
                 self._record_checkpoint(server_round, folder)
-        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
+        self.store.write_summary(self.run_id, self.folder.summary)
 
     def finish(self, status: str) -> None:
         """The run's final status and summary; a finished run also gets its plot."""
         self.store.finish_run(self.run_id, status)
-        self.store.write_summary(self.run_id, self.run_dir / "summary.json")
+        self.store.write_summary(self.run_id, self.folder.summary)
         if status != "finished":
             return
         try:
-            from server.report import plot_run
+            from server.run.plot import plot_run
 
-            plot_run(self.run_dir)
+            plot_run(self.folder.path)
         except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
-            log.warning("could not plot %s: %s", self.run_dir, exc)
+            log.warning("could not plot %s: %s", self.folder.path, exc)

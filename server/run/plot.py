@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from server.run.folder import RunFolder
+
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write runs/<run-id>/plot.png from its summary.json and round records; returns the file."""
@@ -14,7 +16,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunFolder(run_dir).summary.read_text())
     rounds = summary["rounds"]
     xs = [r["round"] for r in rounds]
     fig, (ax_tau, ax_acc, ax_eps) = plt.subplots(1, 3, figsize=(15, 4))
@@ -53,7 +55,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         axis.set_xticks(xs)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "plot.png"
+    out = Path(out) if out else RunFolder(run_dir).plot
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
