@@ -22,7 +22,7 @@ ROUNDS_DIR = "rounds"
 CHECKPOINTS_DIR = "checkpoints"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "plot.png"
-PRIVACY_UTILITY_FILE = "privacy_utility.json"  # simulations/privacy_utility.py leaves it in each run it made
+PRIVACY_UTILITY_FILE = "privacy_utility.json"  # simulations/privacy_utility/ leaves it in each run it made
 LOG_FILE = "flwr.log"
 ROUND_PREFIX = "round-"  # rounds/round-N.json and checkpoints/round-N/
 
