@@ -129,7 +129,7 @@ def client_serve_cmd(
 ) -> None:
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
-    from client.endpoint import serve_endpoint
+    from client.endpoint.server import serve_endpoint
     from client.state import default_state_dir
     from common.model.default import resolve_base
 

@@ -212,7 +212,7 @@ class ClientDaemon:
         endpoint = None
         try:
             if opts.serve_port:  # apps on this device generate with the newest heads the rounds deliver
-                from client.endpoint import start_endpoint
+                from client.endpoint.server import start_endpoint
 
                 try:
                     endpoint = start_endpoint(
