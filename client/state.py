@@ -3,7 +3,7 @@
 Layout of the state dir (node config `state-dir`; the daemon's default is <cache>/client):
 
     privacy-ledger.json         every run's DP accountant history: the device's lifetime privacy
-                                spending (client.privacy; survives restarts and new runs)
+                                spending (client.training.ledger; survives restarts and new runs)
     trained-once                when the device first trained and how many DP-SGD steps its ledger
                                 held last; a ledger missing or behind it stops training until
                                 `fedla client reset-ledger --state-dir DIR --yes`

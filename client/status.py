@@ -114,7 +114,9 @@ def _runs(state: Path) -> list[dict]:
 
 
 def _privacy(state: Path, node_config: dict) -> dict:
-    from client.privacy import LEDGER_FILE, TRAINED_MARKER, DeviceFloor, epsilon_of, load_ledger
+    from client.training.dp import epsilon_of
+    from client.training.floor import DeviceFloor
+    from client.training.ledger import LEDGER_FILE, TRAINED_MARKER, load_ledger
 
     out: dict[str, Any] = {"ledger": str(state / LEDGER_FILE), "marker": str(state / TRAINED_MARKER)}
     try:

@@ -18,7 +18,7 @@ The scenario (simulations/scenarios/privacy-utility.toml describes the same sett
 Every federated configuration runs the product's own code path: the real ServerApp loop
 (`server.federation.run_federation`: Flower's SecAgg+ workflow, the guard, the server optimiser) over
 `simulations.inprocess.InProcessGrid` with the real ClientApp (`client.client_app.app`: Opacus DP-SGD with
-the accountant composed over all rounds, `client/privacy.py`). Only the heads' evaluation is local to
+the accountant composed over all rounds, `client/training/`). Only the heads' evaluation is local to
 this script. Configurations:
 
 * ``public_only``: the public heads, untouched;
@@ -305,8 +305,8 @@ def evaluate(heads, splits: list[ClientSplit], part: str = "test") -> dict:
 
 def central_finetune(public_dir: Path, base, splits: list[ClientSplit], run_config: dict):
     """Non-private central fine-tuning on the pooled training chunks: the clients' own optimiser and
-    batch (client.privacy.train_round with dp=false), one pass per federated round."""
-    from client.privacy import train_round
+    batch (client.training.local_round.train_round with dp=false), one pass per federated round."""
+    from client.training.local_round import train_round
     from common.data.features import Features
     from common.federation.config import FedConfig
     from common.heads.lookahead import DraftHeads

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 from client.daemon import DaemonOptions, node_config_values, write_node_config
 from client.daemon.readiness import prepare
-from client.privacy import LEDGER_FILE, TRAINED_MARKER, Ledger, PrivacyState, epsilon_of, save_ledger
 from client.state import keep_global_heads, record_event
 from client.status import device_status, forget, format_status
+from client.training.dp import PrivacyState, epsilon_of
+from client.training.ledger import LEDGER_FILE, TRAINED_MARKER, Ledger, save_ledger
 from common.cli.app import app
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError

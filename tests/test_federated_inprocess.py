@@ -20,7 +20,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from client import client_app as client_module
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
-from client.privacy import epsilon_of
+from client.training.dp import epsilon_of
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.records import heads_to_ndarrays

@@ -17,8 +17,9 @@ from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 
 from client.client_app import train_handler
-from client.privacy import PrivacyState, epsilon_of, load_state, save_state
 from client.task import PackagePartitioner
+from client.training.dp import PrivacyState, epsilon_of
+from client.training.run_state import load_state, save_state
 from common.data.chunks import stdlib_dir
 from common.data.features import compute_features, fast_feature_dtype
 from common.errors import FedLookaheadError
@@ -137,7 +138,9 @@ def test_restored_accountant_equals_a_continuous_one(tmp_path):
         for _ in range(20):
             engine.accountant.step(noise_multiplier=1.0, sample_rate=0.05)
             continuous.step(noise_multiplier=1.0, sample_rate=0.05)
-        state.history = [tuple(h) for h in engine.accountant.history]  # what client.privacy.train_round keeps
+        state.history = [
+            tuple(h) for h in engine.accountant.history
+        ]  # what client.training.local_round.train_round keeps
         state.noise_multiplier = 1.0
         save_state(context, path, state)
         restored = PrivacyState.from_record(context.state.config_records["fedla-privacy"])

@@ -1,5 +1,5 @@
 """A device's privacy is its own: a floor the run config cannot lower, and one lifetime ledger that a lost
-or replaced file cannot reset silently (client.privacy, client.daemon)."""
+or replaced file cannot reset silently (client.training, client.daemon)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,9 @@ from client.daemon import (
     preflight,
     reset_ledger_command,
 )
-from client.privacy import (
-    LEDGER_FILE,
-    TRAINED_MARKER,
-    LedgerError,
-    epsilon_of,
-    load_ledger,
-    plan,
-    reset_ledger,
-)
 from client.task import cached_base, client_data
+from client.training.dp import epsilon_of, plan
+from client.training.ledger import LEDGER_FILE, TRAINED_MARKER, LedgerError, load_ledger, reset_ledger
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
 from common.federation.records import heads_config_dict, heads_to_ndarrays
@@ -196,9 +189,9 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
     import threading
     import time
 
-    import client.privacy as privacy
+    import client.training.local_round as local_round
 
-    real_train_round = privacy.train_round
+    real_train_round = local_round.train_round
 
     def slow_train_round(*args, **kwargs):
         result = real_train_round(*args, **kwargs)
@@ -213,7 +206,7 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
             _device(tiny_base_dir, state, **{"budget-epsilon": 100.0}), DraftHeads.fresh(tiny_base, 2), "run-0"
         )
     }
-    monkeypatch.setattr(privacy, "train_round", slow_train_round)
+    monkeypatch.setattr(local_round, "train_round", slow_train_round)
 
     def round_of(run_key: str) -> None:
         try:

@@ -21,7 +21,8 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from opacus.accountants import RDPAccountant
 
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
-from client.privacy import PrivacyState, train_round
+from client.training.dp import PrivacyState
+from client.training.local_round import train_round
 from common.data.chunks import stdlib_dir
 from common.data.features import base_features
 from common.federation.config import FedConfig
@@ -327,9 +328,9 @@ def test_low_rank_dp_training_changes_each_linear_by_a_rank_r_update(tiny_base, 
 def test_a_large_expected_batch_is_taken_in_physical_pieces(tiny_base, one_thread, monkeypatch):
     """Opacus's BatchMemoryManager splits a logical batch above PHYSICAL_BATCH chunks into pieces, with
     one noisy step per logical batch: the accountant counts the planned steps, not the pieces."""
-    import client.privacy as privacy
+    import client.training.local_round as local_round
 
-    monkeypatch.setattr(privacy, "PHYSICAL_BATCH", 4)
+    monkeypatch.setattr(local_round, "PHYSICAL_BATCH", 4)
     heads = DraftHeads.fresh(tiny_base, 2)
     features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (32, 16)))
     config = FedConfig.from_mapping({"batch-size": 16, "dp-target-epsilon": 8.0})

@@ -195,7 +195,7 @@ class ClientDaemon:
         self._write_status("preparing")
         values = self._prepare()
         cmd = supernode_command(opts, self.state_dir / NODE_CONFIG_FILE, opts.runtime_port or free_port())
-        from client.privacy import BUDGET_KEY, MAX_DELTA_KEY
+        from client.training.floor import BUDGET_KEY, MAX_DELTA_KEY
 
         budget = float(values[BUDGET_KEY])
         rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
@@ -263,12 +263,12 @@ class ClientDaemon:
 
 
 def reset_ledger_command(state_dir: Path | None, yes: bool) -> int:
-    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.privacy.reset_ledger).
+    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.training.ledger.reset_ledger).
 
     Prints one line (what was done, or on stderr why not and what resetting means) and returns the
     exit code: 0, or EXIT_BAD_INPUT without --yes or without a state folder.
     """
-    from client.privacy import reset_ledger
+    from client.training.ledger import reset_ledger
 
     try:
         print(reset_ledger(state_dir or default_state_dir(), yes=yes), flush=True)

@@ -126,7 +126,8 @@ def parse_node_config(text: str) -> dict:
 
 def check_privacy(node_config: dict) -> None:
     """The privacy floor is valid and the ledger can be trusted (else the device would decline every round)."""
-    from client.privacy import DeviceFloor, load_ledger
+    from client.training.floor import DeviceFloor
+    from client.training.ledger import load_ledger
 
     try:
         DeviceFloor.from_node_config(node_config)

@@ -7,7 +7,7 @@
     device             auto | cpu | cuda (FedConfig's `device`, overriding the run config)
     base-model-dir     the device's base, prepared before joining (client.daemon.readiness)
     budget-epsilon, max-dp-delta, max-dp-grad-norm, min-dp-noise-multiplier
-                       the device's privacy floor (client.privacy.DeviceFloor): a run config can only
+                       the device's privacy floor (client.training.floor.DeviceFloor): a run config can only
                        make it stricter
 """
 
@@ -23,8 +23,8 @@ NODE_CONFIG_FILE = "node-config.toml"
 
 
 def floor_values(opts: DaemonOptions) -> dict:
-    """This device's privacy floor as node config keys (client.privacy.DeviceFloor; unset options: its defaults)."""
-    from client.privacy import (
+    """This device's privacy floor as node config keys (client.training.floor.DeviceFloor; unset options: its defaults)."""
+    from client.training.floor import (
         BUDGET_KEY,
         MAX_DELTA_KEY,
         MAX_GRAD_NORM_KEY,
