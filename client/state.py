@@ -12,7 +12,7 @@ Layout of the state dir (node config `state-dir`; the daemon's default is <cache
     heads/latest -> run-<R>-v<V>  the newest of them (a symlink swapped atomically)
     events.jsonl                one JSON line per ClientApp event (train start/done, heads kept,
                                 evaluation), which the daemon turns into one log line per round
-    chunks/                     the device's private files, tokenised (client.task; private text)
+    chunks/                     the device's private files, tokenised (client.corpus; private text)
     features/                   the base's features of those chunks (common.data.features; private)
     node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
     daemon.lock                 held by the one `fedla client` running on this folder (holds its pid)

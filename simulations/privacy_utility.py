@@ -11,7 +11,7 @@ The scenario (simulations/scenarios/privacy-utility.toml describes the same sett
 * private data: the sources of third-party packages installed in this environment (site-packages),
   copied once into `$FEDLA_HOME/privacy_utility/`, split *by package* across clients with the
   product's `package` partitioning (non-IID: each client writes in its packages' own style). Each
-  client keeps `local-heldout-fraction` of its chunks out of training (client/task.py); that held-out
+  client keeps `local-heldout-fraction` of its chunks out of training (client/local_data.py); that held-out
   part is halved: a validation half (used only to choose among the DP tricks) and a test half (every
   number in the JSON).
 
@@ -245,7 +245,7 @@ class ClientSplit:
 
 def client_splits(run_config: dict, base, clients: int) -> list[ClientSplit]:
     """Each client's train chunks and held-out chunks (as the ClientApp sees them), with base features."""
-    from client.task import client_data, client_features
+    from client.local_data import client_data, client_features
     from common.federation.config import FedConfig
 
     config = FedConfig.from_mapping(run_config)
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    from client.task import cached_base
+    from client.base_cache import cached_base
     from common.federation.config import FedConfig
 
     client_base = cached_base(FedConfig.from_mapping(run_config))  # the instance the ClientApps will use

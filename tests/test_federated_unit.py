@@ -17,7 +17,7 @@ from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 
 from client.client_app import train_handler
-from client.task import PackagePartitioner
+from client.partitions import PackagePartitioner
 from client.training.dp import PrivacyState, epsilon_of
 from client.training.run_state import load_state, save_state
 from common.data.chunks import stdlib_dir

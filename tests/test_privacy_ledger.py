@@ -10,6 +10,7 @@ import pytest
 from flwr.app import Context, RecordDict
 from opacus.accountants import RDPAccountant
 
+from client.base_cache import cached_base
 from client.client_app import client_config, train_handler
 from client.daemon import (
     EXIT_BAD_INPUT,
@@ -19,7 +20,7 @@ from client.daemon import (
     preflight,
     reset_ledger_command,
 )
-from client.task import cached_base, client_data
+from client.local_data import client_data
 from client.training.dp import epsilon_of, plan
 from client.training.ledger import LEDGER_FILE, TRAINED_MARKER, LedgerError, load_ledger, reset_ledger
 from common.data.chunks import stdlib_dir

@@ -1,7 +1,7 @@
 """The device's settings as Flower node config: written to <state>/node-config.toml and passed to
 `flower-supernode --node-config <file>`; every ClientApp of a run reads them (client.client_app).
 
-    data-dir           the device's private text folder (client.task reads it instead of a partition)
+    data-dir           the device's private text folder (client.local_data reads it instead of a partition)
     state-dir          the device's state folder (client.state): ledger, heads, chunks, features
     heads-dir          where the newest global heads are also published for `fedla generate`
     device             auto | cpu | cuda (FedConfig's `device`, overriding the run config)

@@ -3,7 +3,7 @@
 1. The base: the embedded default (or `--base toy`) is built or converted once under $FEDLA_HOME;
    a model folder is used as is. Its resolved folder goes into the node config, so every ClientApp
    loads exactly this base and never builds one inside a round.
-2. The device's private files are tokenised into chunks, cached in <state>/chunks (client.task),
+2. The device's private files are tokenised into chunks, cached in <state>/chunks (client.corpus),
    with a progress bar.
 3. Base features of those chunks, cached in <state>/features (common.data.features), when that is cheap:
    a timed sample projects the whole cost, and above `FEATURE_SECONDS` round 1 computes them.
@@ -59,7 +59,7 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     """Chunks (and base features when cheap) of this device's files, cached in its state folder."""
     import torch
 
-    from client.task import client_data, client_features
+    from client.local_data import client_data, client_features
     from common.data.features import compute_features, extractor_for
     from common.federation.config import FedConfig
     from common.model.base import load_base
