@@ -130,13 +130,13 @@ def client_serve_cmd(
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
     from client.endpoint.server import serve_endpoint
-    from client.state import default_state_dir
+    from client.state import StateDir, default_state_dir
     from common.model.default import resolve_base
 
     try:
         serve_endpoint(
             resolve_base(base),
-            heads or (state_dir or default_state_dir()) / "heads" / "latest",
+            heads or StateDir(state_dir or default_state_dir()).latest_heads,
             host=host,
             port=port,
             max_queue=max_queue,

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from client.state import StateDir
 from common.data.chunks import read_text, stdlib_dir, stdlib_files, text_files
 from common.errors import FedLookaheadError
 from common.model.base import BaseModel
@@ -83,7 +84,7 @@ def chunk_corpus(files: list[tuple[Path, str]], tokenizer, chunk_len: int, progr
 def chunk_cache_dir(node_config: Mapping[str, Any]) -> Path:
     """Where chunk tensors are cached: a device's state folder (its private text stays there), else the cache."""
     if node_config.get("state-dir"):
-        return Path(str(node_config["state-dir"])).expanduser() / "chunks"
+        return StateDir(Path(str(node_config["state-dir"])).expanduser()).chunks
     return cache_root() / "chunks"
 
 

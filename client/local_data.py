@@ -10,6 +10,7 @@ import torch
 
 from client.corpus import chunk_cache_dir, load_corpus
 from client.partitions import partition_indices
+from client.state import StateDir
 from common.data.features import Features, base_features
 from common.federation.config import FedConfig
 from common.model.base import BaseModel
@@ -38,7 +39,7 @@ def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
     """Where this client's base features live: under its state folder when it has one (device data
     stays with the device), else the FedLookahead cache."""
     if node_config.get("state-dir"):
-        return Path(str(node_config["state-dir"])).expanduser() / "features"
+        return StateDir(Path(str(node_config["state-dir"])).expanduser()).features
     if config.client_state_dir:
         return Path(config.client_state_dir).expanduser() / "features"
     return cache_root() / "features"

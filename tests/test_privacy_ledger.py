@@ -21,8 +21,9 @@ from client.daemon import (
     reset_ledger_command,
 )
 from client.local_data import client_data
+from client.state import StateDir
 from client.training.dp import epsilon_of, plan
-from client.training.ledger import LEDGER_FILE, TRAINED_MARKER, LedgerError, load_ledger, reset_ledger
+from client.training.ledger import LedgerError, load_ledger, reset_ledger
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
 from common.federation.records import heads_config_dict, heads_to_ndarrays
@@ -113,8 +114,8 @@ def test_budget_is_the_devices_across_runs(tiny_base, tiny_base_dir, tmp_path):
     metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": budget}), heads, "run-b")
     assert metrics["skipped"] == 1 and "lifetime epsilon" in metrics["skip-reason"]
     assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)
-    ledger = json.loads((state / LEDGER_FILE).read_text())
-    assert list(ledger["runs"]) == ["run-a"] and sorted(p.name for p in state.glob("privacy*")) == [LEDGER_FILE]
+    ledger = json.loads((state / StateDir.LEDGER).read_text())
+    assert list(ledger["runs"]) == ["run-a"] and sorted(p.name for p in state.glob("privacy*")) == [StateDir.LEDGER]
     # with room for it, run B trains and both runs compose in the one ledger
     metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": 100.0}), heads, "run-b")
     assert metrics["skipped"] == 0
@@ -128,8 +129,8 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
     state = tmp_path / "state"
     heads = DraftHeads.fresh(tiny_base, 2)
     assert _train(_device(tiny_base_dir, state), heads, "run-a")["skipped"] == 0
-    assert (state / TRAINED_MARKER).is_file()
-    ledger_file = state / LEDGER_FILE
+    assert (state / StateDir.TRAINED_MARKER).is_file()
+    ledger_file = state / StateDir.LEDGER
     good = ledger_file.read_text()
     emptied = json.loads(good)
     emptied["runs"]["run-a"]["history"] = []
@@ -165,7 +166,7 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
     assert ledger_file.read_text() == corrupt
     assert reset_ledger_command(state, yes=True) == EXIT_OK
     assert "reset: past spending forgotten" in capsys.readouterr().out
-    assert [p.read_text() for p in state.glob(f"{LEDGER_FILE}.reset-*")] == [corrupt]
+    assert [p.read_text() for p in state.glob(f"{StateDir.LEDGER}.reset-*")] == [corrupt]
     assert load_ledger(state).resets[0]["forgotten_steps"] > 0
     assert _train(_device(tiny_base_dir, state), heads, "run-b")["skipped"] == 0
 
@@ -233,7 +234,7 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
 def test_a_killed_writers_temporary_ledger_is_cleaned_up(tiny_base, tiny_base_dir, tmp_path):
     state = tmp_path / "state"
     state.mkdir()
-    stale = [state / f".{LEDGER_FILE}.99999.tmp", state / f".{TRAINED_MARKER}.99999.tmp"]
+    stale = [state / f".{StateDir.LEDGER}.99999.tmp", state / f".{StateDir.TRAINED_MARKER}.99999.tmp"]
     for path in stale:
         path.write_text('{"half": ')
     assert _train(_device(tiny_base_dir, state), DraftHeads.fresh(tiny_base, 2), "run-a")["skipped"] == 0
@@ -244,13 +245,13 @@ def test_a_killed_writers_temporary_ledger_is_cleaned_up(tiny_base, tiny_base_di
 def test_a_second_daemon_on_the_same_state_folder_is_refused(tiny_base_dir, tmp_path):
     """Issue 29 item 1: a second `fedla client` on one --state-dir started without complaint."""
     from client.daemon import ClientDaemon
-    from client.state import DAEMON_LOCK, state_lock
+    from client.state import state_lock
 
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
     state = tmp_path / "state"
     opts = DaemonOptions(superlink="127.0.0.1:9092", data=data, base=tiny_base_dir, device="cpu", state_dir=state)
-    with state_lock(state, DAEMON_LOCK):  # what the first daemon holds while it runs
+    with state_lock(state, StateDir.DAEMON_LOCK):  # what the first daemon holds while it runs
         with pytest.raises(DaemonError, match=r"another fedla client is running on state folder .*process \d+"):
             ClientDaemon(opts, emit=lambda line: None).run()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.checks import check_auth_key, check_data, parse_address, preflight
-from client.daemon.nodeconfig import NODE_CONFIG_FILE, floor_values, node_config_values, write_node_config
+from client.daemon.nodeconfig import floor_values, node_config_values, write_node_config
 from client.daemon.options import (
     EXIT_BAD_INPUT,
     EXIT_OK,
@@ -41,7 +41,7 @@ from client.daemon.options import (
 from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
-from client.state import DAEMON_LOCK, EVENTS_FILE, StateLocked, default_state_dir, state_lock
+from client.state import StateDir, StateLocked, default_state_dir, state_lock
 from common.errors import FedLookaheadError
 from common.model.base import Loading
 from common.procs import flower_env, free_port
@@ -71,7 +71,6 @@ __all__ = [
 log = logging.getLogger("fedla.client")
 
 GIVE_UP_GRACE = 5.0  # seconds a SuperNode that gave up reconnecting gets to exit by itself
-DAEMON_FILE = "daemon.json"
 
 
 class ClientDaemon:
@@ -85,8 +84,8 @@ class ClientDaemon:
         self.connected_this_start = False
         self.gone_announced = False
         self.gave_up_at: float | None = None
-        self.flwr_home = self.state_dir / "flwr-home"
-        self.log_path = self.state_dir / "supernode.log"
+        self.flwr_home = StateDir(self.state_dir).flwr_home
+        self.log_path = StateDir(self.state_dir).supernode_log
         self.status: dict = {}
 
     # -- what flower-supernode says (called from its reader thread)
@@ -131,9 +130,9 @@ class ClientDaemon:
                 **extra,
             }
         )
-        tmp = self.state_dir / f".{DAEMON_FILE}.{os.getpid()}"
+        tmp = self.state_dir / f".{StateDir.DAEMON_STATUS}.{os.getpid()}"
         tmp.write_text(json.dumps(self.status, indent=1, default=str))
-        os.replace(tmp, self.state_dir / DAEMON_FILE)
+        os.replace(tmp, StateDir(self.state_dir).daemon_status)
 
     def stop(self, *_args) -> None:
         self.stopping.set()
@@ -144,7 +143,7 @@ class ClientDaemon:
 
         base_dir = prepare_base(self.opts.base, self.emit)
         values = node_config_values(self.opts, self.state_dir, base_dir)
-        write_node_config(self.state_dir / NODE_CONFIG_FILE, values)
+        write_node_config(StateDir(self.state_dir).node_config, values)
         if self.opts.prepare:
             try:
                 ready = prepare(values, self.emit)
@@ -181,7 +180,7 @@ class ClientDaemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with ExitStack() as held:
             try:  # one daemon per state folder: two would share one privacy ledger and one node identity
-                held.enter_context(state_lock(self.state_dir, DAEMON_LOCK))
+                held.enter_context(state_lock(self.state_dir, StateDir.DAEMON_LOCK))
             except StateLocked as exc:
                 raise DaemonError(
                     f"another fedla client is running on state folder {self.state_dir} ({exc}): "
@@ -194,11 +193,11 @@ class ClientDaemon:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self._write_status("preparing")
         values = self._prepare()
-        cmd = supernode_command(opts, self.state_dir / NODE_CONFIG_FILE, opts.runtime_port or free_port())
+        cmd = supernode_command(opts, StateDir(self.state_dir).node_config, opts.runtime_port or free_port())
         from client.training.floor import BUDGET_KEY, MAX_DELTA_KEY
 
         budget = float(values[BUDGET_KEY])
-        rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
+        rounds = RoundLogger(StateDir(self.state_dir).events, self.emit, budget)
         self.emit(
             f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
             f"base {values['base-model-dir']}, state {self.state_dir}"
@@ -217,7 +216,7 @@ class ClientDaemon:
                 try:
                     endpoint = start_endpoint(
                         Path(values["base-model-dir"]),
-                        self.state_dir / "heads" / "latest",
+                        StateDir(self.state_dir).latest_heads,
                         port=opts.serve_port,
                         loading=Loading(device=opts.device),
                     )

@@ -17,9 +17,8 @@ from pathlib import Path
 
 from client.daemon.checks import parse_node_config
 from client.daemon.options import DaemonOptions
+from client.state import StateDir
 from common.procs import toml_value
-
-NODE_CONFIG_FILE = "node-config.toml"
 
 
 def floor_values(opts: DaemonOptions) -> dict:
@@ -79,6 +78,6 @@ def read_node_config(state_dir: Path) -> dict:
     import tomllib
 
     try:
-        return tomllib.loads((state_dir / NODE_CONFIG_FILE).read_text())
+        return tomllib.loads(StateDir(state_dir).node_config.read_text())
     except (OSError, ValueError):
         return {}

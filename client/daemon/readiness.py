@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.options import DaemonError
+from client.state import StateDir
 from common.errors import FedLookaheadError
 
 FEATURE_SECONDS = 120.0  # projected feature extraction up to this long is done before joining
@@ -76,10 +77,10 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     except FedLookaheadError as exc:
         raise NotPrepared(str(exc)) from None
     ready = Readiness(base_dir, len(data.train), len(data.heldout))
-    state = Path(node_config["state-dir"])
+    state = StateDir(Path(node_config["state-dir"]))
     emit(
         f"tokenised: {len(data.train)} training and {len(data.heldout)} held-out chunks of {config.chunk_len} tokens "
-        f"in {state / 'chunks'}"
+        f"in {state.chunks}"
     )
     if features and len(data.train):
         extractor = extractor_for(base)
@@ -94,7 +95,7 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
             if len(data.heldout):
                 client_features(config, base, data.heldout, node_config, progress=True)
             ready.features = f"computed in {time.perf_counter() - tick:.0f}s"
-            emit(f"base features: {ready.features}, in {state / 'features'}")
+            emit(f"base features: {ready.features}, in {state.features}")
         else:
             ready.features = f"skipped (about {projected / 60:.0f} min here: round 1 computes them)"
             emit(f"base features: {ready.features}")

@@ -16,13 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.state import LEDGER_LOCK, StateLocked, state_lock
+from client.state import StateDir, StateLocked, state_lock
 from client.training.dp import History, PrivacyState
 from client.training.durable import write_json
 from common.errors import FedLookaheadError
 
-LEDGER_FILE = "privacy-ledger.json"
-TRAINED_MARKER = "trained-once"
 LEDGER_FORMAT = "fedla-privacy-ledger/1"
 LEDGER_WAIT_SECONDS = 600.0  # how long a round waits for another round (or a reset) to release the ledger
 
@@ -30,7 +28,7 @@ LEDGER_WAIT_SECONDS = 600.0  # how long a round waits for another round (or a re
 def remove_stale_temporaries(state_dir: Path) -> None:
     """Temporary ledger and marker files a killed writer left (called under the ledger lock, so no writer
     is running)."""
-    for name in (LEDGER_FILE, TRAINED_MARKER):
+    for name in (StateDir.LEDGER, StateDir.TRAINED_MARKER):
         for tmp in state_dir.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
 
@@ -50,7 +48,7 @@ class Ledger:
 
     @property
     def path(self) -> Path:
-        return self.state_dir / LEDGER_FILE
+        return StateDir(self.state_dir).ledger
 
     def run(self, run_key: str) -> PrivacyState:
         return self.runs.setdefault(run_key, PrivacyState(run_key))
@@ -72,7 +70,7 @@ def _reset_hint(state_dir: Path) -> str:
 
 
 def _read_marker(state_dir: Path) -> dict | None:
-    path = state_dir / TRAINED_MARKER
+    path = StateDir(state_dir).trained_marker
     if not path.exists():
         return None
     try:
@@ -143,7 +141,7 @@ def save_ledger(ledger: Ledger) -> None:
         },
     )
     write_json(
-        ledger.state_dir / TRAINED_MARKER,
+        StateDir(ledger.state_dir).trained_marker,
         {"first_trained": ledger.first_trained, "updated": now, "steps": ledger.steps},
     )
 
@@ -163,7 +161,7 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
     Returns one line saying what was done.
     """
     state_dir = state_dir.expanduser()
-    path = state_dir / LEDGER_FILE
+    path = StateDir(state_dir).ledger
     if not yes:
         raise FedLookaheadError(
             f"resetting {path} forgets this device's past privacy spending and makes its whole budget available "
@@ -172,7 +170,9 @@ def reset_ledger(state_dir: Path, yes: bool = False) -> str:
     if not state_dir.is_dir():
         raise FedLookaheadError(f"state folder not found: {state_dir}")
     try:
-        with state_lock(state_dir, LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS):  # never under a running round
+        with state_lock(
+            state_dir, StateDir.LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS
+        ):  # never under a running round
             return _reset_ledger(state_dir, path)
     except StateLocked as exc:
         raise FedLookaheadError(f"cannot reset {path}: a round still holds it ({exc})") from None

@@ -18,7 +18,7 @@ import torch
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-from client.state import LEDGER_LOCK, StateLocked, state_lock
+from client.state import StateDir, StateLocked, state_lock
 from client.training.dp import EPSILON_SLACK, History, PrivacyState, choose_noise_multiplier, epsilon_of, plan
 from client.training.floor import DeviceFloor
 from client.training.ledger import LEDGER_WAIT_SECONDS, LedgerError, load_ledger, remove_stale_temporaries, save_ledger
@@ -166,7 +166,7 @@ def device_round(
     # Read, train and write under one lock: two rounds at once (two runs, or a second daemon) would
     # otherwise both start from the same ledger and the last writer would erase the other's spending.
     try:
-        with state_lock(floor.state_dir, LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS):
+        with state_lock(floor.state_dir, StateDir.LEDGER_LOCK, wait_seconds=LEDGER_WAIT_SECONDS):
             remove_stale_temporaries(floor.state_dir)
             try:
                 ledger = load_ledger(floor.state_dir)
