@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from client.node_config import STATE_DIR_KEY
 from client.state import StateDir
 from common.data.chunks import read_text, stdlib_dir, stdlib_files, text_files
 from common.errors import FedLookaheadError
@@ -83,8 +84,8 @@ def chunk_corpus(files: list[tuple[Path, str]], tokenizer, chunk_len: int, progr
 
 def chunk_cache_dir(node_config: Mapping[str, Any]) -> Path:
     """Where chunk tensors are cached: a device's state folder (its private text stays there), else the cache."""
-    if node_config.get("state-dir"):
-        return StateDir(Path(str(node_config["state-dir"])).expanduser()).chunks
+    if node_config.get(STATE_DIR_KEY):
+        return StateDir(Path(str(node_config[STATE_DIR_KEY])).expanduser()).chunks
     return cache_root() / "chunks"
 
 

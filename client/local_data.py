@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from client.corpus import chunk_cache_dir, load_corpus
+from client.node_config import STATE_DIR_KEY, NodeConfig
 from client.partitions import partition_indices
 from client.state import StateDir
 from common.data.features import Features, base_features
@@ -38,8 +39,8 @@ def split_local(chunks: torch.Tensor, config: FedConfig, salt: int) -> tuple[tor
 def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
     """Where this client's base features live: under its state folder when it has one (device data
     stays with the device), else the FedLookahead cache."""
-    if node_config.get("state-dir"):
-        return StateDir(Path(str(node_config["state-dir"])).expanduser()).features
+    if node_config.get(STATE_DIR_KEY):
+        return StateDir(Path(str(node_config[STATE_DIR_KEY])).expanduser()).features
     if config.client_state_dir:
         return Path(config.client_state_dir).expanduser() / "features"
     return cache_root() / "features"
@@ -54,13 +55,14 @@ def client_features(
 
 def client_data(config: FedConfig, base: BaseModel, node_config: dict, progress: bool = False) -> ClientData:
     """This node's data: its own folder (`data-dir` node config, a real device) or its simulation partition."""
-    data_dir = str(node_config.get("data-dir", "") or "")
+    node = NodeConfig.from_mapping(node_config)
+    data_dir = str(node.data_dir or "")
     partition_id = 0
     if data_dir:
         chunks = load_corpus(data_dir, base, config.chunk_len, chunk_cache_dir(node_config), progress=progress).chunks
     else:
-        partition_id = int(node_config.get("partition-id", 0))
-        num_partitions = int(node_config.get("num-partitions", 1))
+        partition_id = int(node.partition_id)
+        num_partitions = int(node.num_partitions)
         corpus = load_corpus(config.data_source, base, config.chunk_len, progress=progress)
         chunks = corpus.chunks[torch.from_numpy(partition_indices(corpus, config, num_partitions, partition_id))]
     train, heldout = split_local(chunks, config, salt=partition_id)

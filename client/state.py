@@ -46,12 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
+from client.node_config import HEADS_DIR_KEY, STATE_DIR_KEY
 from common.federation.protocol import ROUND_KEY, RUN_KEY, VERSION
 
 log = logging.getLogger("fedla.client")
 
-STATE_DIR_KEY = "state-dir"
-HEADS_DIR_KEY = "heads-dir"
 HEADS_META = "fedla_heads.json"
 KEEP_VERSIONS = 3  # versioned head folders kept in the state dir (the newest ones)
 
@@ -166,6 +165,16 @@ def default_state_dir() -> Path:
 def state_dir_of(node_config: Mapping[str, Any]) -> Path | None:
     value = str(node_config.get(STATE_DIR_KEY, "") or "")
     return Path(value).expanduser() if value else None
+
+
+def read_node_config(state_dir: Path) -> dict:
+    """The node config the daemon last wrote in `state_dir` ({} when none or unreadable)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(StateDir(state_dir).node_config.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def record_event(node_config: Mapping[str, Any], event: str, **fields: Any) -> None:

@@ -23,8 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from client.daemon.nodeconfig import read_node_config
-from client.state import HEADS_DIR_KEY, StateDir, latest_heads
+from client.node_config import BASE_MODEL_DIR_KEY, DATA_DIR_KEY, HEADS_DIR_KEY, STATE_DIR_KEY
+from client.state import StateDir, latest_heads, read_node_config
 from common.errors import FedLookaheadError
 from common.federation.protocol import SKIPPED
 from common.model.int8_kernels import cached_reports, cpu_info, describe_cpu
@@ -118,7 +118,7 @@ def _privacy(state: Path, node_config: dict) -> dict:
 
     out: dict[str, Any] = {"ledger": str(StateDir(state).ledger), "marker": str(StateDir(state).trained_marker)}
     try:
-        floor = DeviceFloor.from_node_config({**node_config, "state-dir": str(state)})
+        floor = DeviceFloor.from_node_config({**node_config, STATE_DIR_KEY: str(state)})
     except FedLookaheadError as exc:
         floor = DeviceFloor(state)
         out["floor_error"] = str(exc)
@@ -175,7 +175,7 @@ def device_status(state_dir: Path) -> dict:
     runs = _runs(state)
     if heads is not None:  # the run's FedLookahead name (the server's runs/<run-id>), when the device trained in it
         heads["run_name"] = next((r["name"] for r in runs if r["run"] == heads["run"] and r["name"]), heads["run"])
-    base = str(node_config.get("base-model-dir", "") or "")
+    base = str(node_config.get(BASE_MODEL_DIR_KEY, "") or "")
     generate = ["fedla", "generate", "--state-dir", str(state)] + (["--base", base] if base else [])
     generate += ["--prompt", "def parse_header(line):"]
     serve_url = daemon.get("serve_url") if daemon and _daemon_alive(daemon) else None
@@ -206,7 +206,7 @@ def device_status(state_dir: Path) -> dict:
             "node config": str(StateDir(state).node_config),
             "supernode log": str(StateDir(state).supernode_log),
             "flower home": str(StateDir(state).flwr_home),
-            "data folder": str(node_config.get("data-dir") or "(unknown: the daemon has not run here)"),
+            "data folder": str(node_config.get(DATA_DIR_KEY) or "(unknown: the daemon has not run here)"),
             "base": base or "(the embedded default)",
         },
         "sizes": {name: _size(state / name) for name in StateDir.PRIVATE_CACHES},

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from client.daemon import DaemonOptions, node_config_values, write_node_config
 from client.daemon.readiness import prepare
+from client.node_config import HEADS_DIR_KEY
 from client.state import StateDir, keep_global_heads, record_event
 from client.status import device_status, forget, format_status
 from client.training.dp import PrivacyState, epsilon_of
@@ -112,7 +113,7 @@ def test_status_reads_the_state_folder(device):
     assert status["last_round"] == {"run": "deploy-b", "round": 2}
     assert (status["heads"]["version"], status["heads"]["run"]) == (2, 8)
     assert status["paths"]["chunks (private text)"] == str(state.resolve() / "chunks")
-    assert status["paths"]["published heads"] == device["values"]["heads-dir"]
+    assert status["paths"]["published heads"] == device["values"][HEADS_DIR_KEY]
     assert status["generate"].startswith(f"fedla generate --state-dir {state.resolve()} --base ")
     text = format_status(status)
     assert f"lifetime epsilon {privacy['epsilon']:.3f} of budget 3" in text

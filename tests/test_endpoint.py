@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.endpoint.api import create_endpoint_app
 from client.endpoint.server import EndpointServer, check_loopback, serve_endpoint, start_endpoint
+from client.node_config import STATE_DIR_KEY
 from client.state import keep_global_heads
 from common.decoding import generate
 from common.errors import FedLookaheadError
@@ -67,7 +68,9 @@ def versioned_heads(base: BaseModel, version: int) -> DraftHeads:
 
 def push_heads(state: Path, base: BaseModel, version: int) -> Path:
     """Keep heads the way the ClientApp does when a round delivers them: a new folder, `latest` swapped."""
-    assert keep_global_heads(versioned_heads(base, version), {"state-dir": str(state)}, run_id=7, server_round=version)
+    assert keep_global_heads(
+        versioned_heads(base, version), {STATE_DIR_KEY: str(state)}, run_id=7, server_round=version
+    )
     return state / "heads" / "latest"
 
 

@@ -5,7 +5,7 @@ In order, it
    wrong;
 2. gets ready (readiness.py): builds the embedded base if the device has none, tokenises the device's
    private files into <state>/chunks and, when cheap, caches their base features, with progress bars;
-3. writes the device's settings as node config (nodeconfig.py) and runs Flower's own SuperNode,
+3. writes the device's settings as node config (options.py, client/node_config.py) and runs Flower's own SuperNode,
    `flower-supernode`, as a child process (supernode.py), with TLS and node authentication;
 4. restarts it when it exits, as the pure restart policy says (policy.py), and tells the owner what
    happens (reporter.py): one line per round from <state>/events.jsonl, and the lifecycle lines
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.checks import check_auth_key, check_data, parse_address, preflight
-from client.daemon.nodeconfig import floor_values, node_config_values, write_node_config
 from client.daemon.options import (
     EXIT_BAD_INPUT,
     EXIT_OK,
@@ -37,10 +36,20 @@ from client.daemon.options import (
     EXIT_UNREACHABLE,
     DaemonError,
     DaemonOptions,
+    floor_values,
+    node_config_values,
 )
 from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
+from client.node_config import (
+    BASE_MODEL_DIR_KEY,
+    BUDGET_KEY,
+    DATA_DIR_KEY,
+    HEADS_DIR_KEY,
+    MAX_DELTA_KEY,
+    write_node_config,
+)
 from client.state import StateDir, StateLocked, default_state_dir, state_lock
 from common.errors import FedLookaheadError
 from common.model.base import Loading
@@ -194,14 +203,12 @@ class ClientDaemon:
         self._write_status("preparing")
         values = self._prepare()
         cmd = supernode_command(opts, StateDir(self.state_dir).node_config, opts.runtime_port or free_port())
-        from client.training.floor import BUDGET_KEY, MAX_DELTA_KEY
-
         budget = float(values[BUDGET_KEY])
         rounds = RoundLogger(StateDir(self.state_dir).events, self.emit, budget)
         self.emit(
-            f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
-            f"base {values['base-model-dir']}, state {self.state_dir}"
-            + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
+            f"fedla client: {info['data_files']} text file(s) in {values[DATA_DIR_KEY]}, device {opts.device}, "
+            f"base {values[BASE_MODEL_DIR_KEY]}, state {self.state_dir}"
+            + (f", heads published to {values[HEADS_DIR_KEY]}" if HEADS_DIR_KEY in values else "")
             + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}"
         )
         if info["public_key"]:
@@ -215,7 +222,7 @@ class ClientDaemon:
 
                 try:
                     endpoint = start_endpoint(
-                        Path(values["base-model-dir"]),
+                        Path(values[BASE_MODEL_DIR_KEY]),
                         StateDir(self.state_dir).latest_heads,
                         port=opts.serve_port,
                         loading=Loading(device=opts.device),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.options import DaemonError
+from client.node_config import BASE_MODEL_DIR_KEY, STATE_DIR_KEY
 from client.state import StateDir
 from common.errors import FedLookaheadError
 
@@ -66,7 +67,7 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     from common.model.base import load_base
 
     started = time.perf_counter()
-    base_dir = Path(node_config["base-model-dir"])
+    base_dir = Path(node_config[BASE_MODEL_DIR_KEY])
     try:
         config = FedConfig.from_mapping({}, node_config)
         base = load_base(base_dir, device=config.device)
@@ -77,7 +78,7 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     except FedLookaheadError as exc:
         raise NotPrepared(str(exc)) from None
     ready = Readiness(base_dir, len(data.train), len(data.heldout))
-    state = StateDir(Path(node_config["state-dir"]))
+    state = StateDir(Path(node_config[STATE_DIR_KEY]))
     emit(
         f"tokenised: {len(data.train)} training and {len(data.heldout)} held-out chunks of {config.chunk_len} tokens "
         f"in {state.chunks}"

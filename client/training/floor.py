@@ -10,15 +10,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from client.node_config import (
+    BUDGET_KEY,
+    MAX_DELTA_KEY,
+    MAX_GRAD_NORM_KEY,
+    MIN_CHUNK_LEN_KEY,
+    MIN_NOISE_KEY,
+    STATE_DIR_KEY,
+    NodeConfig,
+)
 from common.errors import FedLookaheadError
 from common.federation.config import MIN_CHUNK_LEN, FedConfig
-
-# node config keys of a device's privacy floor (written by `fedla client`, see client.daemon)
-BUDGET_KEY = "budget-epsilon"
-MAX_DELTA_KEY = "max-dp-delta"
-MAX_GRAD_NORM_KEY = "max-dp-grad-norm"
-MIN_NOISE_KEY = "min-dp-noise-multiplier"
-MIN_CHUNK_LEN_KEY = "min-chunk-len"
 
 
 @dataclass(frozen=True)
@@ -26,16 +28,17 @@ class DeviceFloor:
     """A device's own privacy settings: the server's run config may be stricter, never weaker."""
 
     state_dir: Path
-    budget_epsilon: float = 8.0  # lifetime epsilon of this device and its data, at `delta`, over all runs
-    delta: float = 1e-5  # the largest delta it accepts; its lifetime epsilon is accounted at this delta
-    max_grad_norm: float = 1.0  # the largest per-chunk clipping norm it accepts
-    min_noise_multiplier: float = 0.5  # the smallest sigma it trains with
-    min_chunk_len: int = 32  # the fewest tokens one privacy unit (a chunk) holds: epsilon protects a chunk
+    # defaults and meaning: the node-config keys of client/node_config.py
+    budget_epsilon: float = NodeConfig.budget_epsilon  # lifetime epsilon at `delta`, over all runs
+    delta: float = NodeConfig.max_dp_delta  # the largest delta it accepts (its lifetime epsilon's delta)
+    max_grad_norm: float = NodeConfig.max_dp_grad_norm  # the largest per-chunk clipping norm it accepts
+    min_noise_multiplier: float = NodeConfig.min_dp_noise_multiplier  # the smallest sigma it trains with
+    min_chunk_len: int = NodeConfig.min_chunk_len  # the fewest tokens one privacy unit (a chunk) holds
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> DeviceFloor | None:
         """The floor of a device (its node config has a `state-dir`); None for a simulated client."""
-        state_dir = str(node_config.get("state-dir", "") or "")
+        state_dir = str(node_config.get(STATE_DIR_KEY, "") or "")
         if not state_dir:
             return None
         defaults = cls(Path(state_dir))

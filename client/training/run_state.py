@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from flwr.app import Context
 
+from client.node_config import NodeConfig
 from client.training.dp import PrivacyState
 from client.training.durable import write_json
 from common.federation.config import FedConfig
@@ -22,7 +23,7 @@ def state_file(config: FedConfig, node_config: Mapping[str, Any], run_key: str) 
     if not config.client_state_dir:
         return None
     safe_key = re.sub(r"[^A-Za-z0-9._-]", "_", run_key)
-    partition = int(node_config.get("partition-id", 0))
+    partition = int(NodeConfig.from_mapping(node_config).partition_id)
     return Path(config.client_state_dir).expanduser() / f"partition-{partition}" / f"privacy-{safe_key}.json"
 
 
