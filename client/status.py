@@ -23,13 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from client.endpoint.defaults import DEFAULT_PORT
 from client.node_config import BASE_MODEL_DIR_KEY, DATA_DIR_KEY, HEADS_DIR_KEY, STATE_DIR_KEY
 from client.state import StateDir, latest_heads, read_node_config
 from common.errors import FedLookaheadError
 from common.federation.protocol import SKIPPED
 from common.model.int8_kernels import cached_reports, cpu_info, describe_cpu
-
-DEFAULT_SERVE_PORT = 8765
 
 
 def _size(path: Path) -> int:
@@ -211,7 +210,7 @@ def device_status(state_dir: Path) -> dict:
         },
         "sizes": {name: _size(state / name) for name in StateDir.PRIVATE_CACHES},
         "generate": shlex.join(generate),
-        "endpoint": serve_url or f"http://127.0.0.1:{DEFAULT_SERVE_PORT}/v1/completions",
+        "endpoint": serve_url or f"http://127.0.0.1:{DEFAULT_PORT}/v1/completions",
         "endpoint_running": bool(serve_url),
         "serve": shlex.join(serve),
     }

@@ -58,9 +58,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.endpoint.answer import answer
 from client.endpoint.completion import Sampling
+from client.endpoint.defaults import DEFAULT_MAX_QUEUE
 from client.endpoint.responses import error_response, exception_response
 from client.endpoint.schemas import ChatMessage, ChatRequest, CompletionRequest, Options, unsupported_field
-from client.endpoint.worker import DEFAULT_MAX_QUEUE, Endpoint
+from client.endpoint.worker import Endpoint
 from common.decoding import AmsPolicy
 from common.errors import FedLookaheadError
 from common.loopback import host_header_is_loopback, refused_host_message

@@ -11,11 +11,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from client.endpoint.api import create_endpoint_app
-from client.endpoint.worker import DEFAULT_MAX_QUEUE
+from client.endpoint.defaults import DEFAULT_MAX_QUEUE, DEFAULT_PORT
 from common.errors import FedLookaheadError
 from common.model.base import Loading
-
-DEFAULT_PORT = 8765
 
 
 def check_loopback(host: str) -> None:

@@ -20,6 +20,7 @@ from client.endpoint.completion import (
     fill_in_the_middle,
     prompt_token_ids,
 )
+from client.endpoint.defaults import DEFAULT_MAX_QUEUE
 from client.endpoint.errors import BaseUnavailable, QueueFull, one_line
 from client.endpoint.heads import HeadsHolder
 from common.decoding import AmsPolicy
@@ -30,7 +31,6 @@ from common.model.base import BaseModel, Loading
 
 log = logging.getLogger("fedla.endpoint")
 
-DEFAULT_MAX_QUEUE = 64
 FINISH_REASONS = {
     "eos": "stop",
     "stop_string": "stop",
