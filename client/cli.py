@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from client.endpoint.defaults import DEFAULT_MAX_QUEUE, DEFAULT_PORT
 from common.cli.shared import BASE_HELP, DTYPE_HELP, base_loading, fail
 from common.errors import FedLookaheadError
 
@@ -122,21 +123,23 @@ def client_serve_cmd(
     heads: Optional[Path] = typer.Option(None, help="Heads folder to watch (default: <state-dir>/heads/latest)."),
     state_dir: Optional[Path] = typer.Option(None, help="The device's state folder (default: <cache>/client)."),
     host: str = typer.Option("127.0.0.1", help="Loopback only: the endpoint is for apps on this device."),
-    port: int = typer.Option(8765, min=1, max=65535),
+    port: int = typer.Option(DEFAULT_PORT, min=1, max=65535),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    max_queue: int = typer.Option(64, min=1, help="Requests waiting or running beyond this are answered 503."),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE, min=1, help="Requests waiting or running beyond this are answered 503."
+    ),
 ) -> None:
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
-    from client.endpoint import serve_endpoint
-    from client.state import default_state_dir
+    from client.endpoint.server import serve_endpoint
+    from client.state import StateDir, default_state_dir
     from common.model.default import resolve_base
 
     try:
         serve_endpoint(
             resolve_base(base),
-            heads or (state_dir or default_state_dir()) / "heads" / "latest",
+            heads or StateDir(state_dir or default_state_dir()).latest_heads,
             host=host,
             port=port,
             max_queue=max_queue,

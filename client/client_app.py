@@ -115,7 +115,7 @@ def device_weight_hidden(msg: Message, context: Context, call_next):
 
 def client_config(context: Context) -> FedConfig:
     """The run config with this node's overrides; on a device, made no weaker than its privacy floor."""
-    from client.privacy import DeviceFloor
+    from client.training.floor import DeviceFloor
     from common.federation.config import FedConfig
 
     config = FedConfig.from_mapping(context.run_config, context.node_config)
@@ -125,8 +125,11 @@ def client_config(context: Context) -> FedConfig:
 
 def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     """Local training for one round; raises (an error reply) on a base mismatch or malformed heads."""
-    from client.privacy import DeviceFloor, device_round, load_state, save_state, state_file, train_round
-    from client.task import cached_base, client_data, client_features
+    from client.base_cache import cached_base
+    from client.local_data import client_data, client_features
+    from client.training.floor import DeviceFloor
+    from client.training.local_round import device_round, train_round
+    from client.training.run_state import load_state, save_state, state_file
     from common.errors import FedLookaheadError
     from common.federation.records import (
         expected_shapes,
@@ -212,7 +215,8 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    from client.task import cached_base, client_data, client_features
+    from client.base_cache import cached_base
+    from client.local_data import client_data, client_features
     from common.decoding.tau import chunk_prompts, decode_tau
     from common.federation.records import heads_from_records
     from common.training.loop import evaluate_heads

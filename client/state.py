@@ -1,9 +1,10 @@
 """A device's private state folder, written by the ClientApp and read by the daemon (`fedla client`).
 
-Layout of the state dir (node config `state-dir`; the daemon's default is <cache>/client):
+Layout of the state dir (node config `state-dir`; the daemon's default is <cache>/client), each path named
+once by `StateDir` below:
 
     privacy-ledger.json         every run's DP accountant history: the device's lifetime privacy
-                                spending (client.privacy; survives restarts and new runs)
+                                spending (client.training.ledger; survives restarts and new runs)
     trained-once                when the device first trained and how many DP-SGD steps its ledger
                                 held last; a ledger missing or behind it stops training until
                                 `fedla client reset-ledger --state-dir DIR --yes`
@@ -12,7 +13,7 @@ Layout of the state dir (node config `state-dir`; the daemon's default is <cache
     heads/latest -> run-<R>-v<V>  the newest of them (a symlink swapped atomically)
     events.jsonl                one JSON line per ClientApp event (train start/done, heads kept,
                                 evaluation), which the daemon turns into one log line per round
-    chunks/                     the device's private files, tokenised (client.task; private text)
+    chunks/                     the device's private files, tokenised (client.corpus; private text)
     features/                   the base's features of those chunks (common.data.features; private)
     node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
     daemon.lock                 held by the one `fedla client` running on this folder (holds its pid)
@@ -41,20 +42,83 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
+from client.node_config import HEADS_DIR_KEY, STATE_DIR_KEY
 from common.federation.protocol import ROUND_KEY, RUN_KEY, VERSION
 
 log = logging.getLogger("fedla.client")
 
-STATE_DIR_KEY = "state-dir"
-HEADS_DIR_KEY = "heads-dir"
-EVENTS_FILE = "events.jsonl"
 HEADS_META = "fedla_heads.json"
 KEEP_VERSIONS = 3  # versioned head folders kept in the state dir (the newest ones)
-DAEMON_LOCK = "daemon.lock"
-LEDGER_LOCK = "ledger.lock"
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """Every file and folder of a device's state folder, named once (the layout above)."""
+
+    root: Path
+
+    LEDGER: ClassVar[str] = "privacy-ledger.json"
+    TRAINED_MARKER: ClassVar[str] = "trained-once"
+    HEADS: ClassVar[str] = "heads"
+    LATEST: ClassVar[str] = "latest"  # heads/latest
+    EVENTS: ClassVar[str] = "events.jsonl"
+    CHUNKS: ClassVar[str] = "chunks"
+    FEATURES: ClassVar[str] = "features"
+    NODE_CONFIG: ClassVar[str] = "node-config.toml"
+    SUPERNODE_LOG: ClassVar[str] = "supernode.log"
+    DAEMON_STATUS: ClassVar[str] = "daemon.json"
+    FLWR_HOME: ClassVar[str] = "flwr-home"
+    DAEMON_LOCK: ClassVar[str] = "daemon.lock"
+    LEDGER_LOCK: ClassVar[str] = "ledger.lock"
+    PRIVATE_CACHES: ClassVar[tuple[str, ...]] = (CHUNKS, FEATURES)  # what `fedla client forget` deletes
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / self.LEDGER
+
+    @property
+    def trained_marker(self) -> Path:
+        return self.root / self.TRAINED_MARKER
+
+    @property
+    def heads(self) -> Path:
+        return self.root / self.HEADS
+
+    @property
+    def latest_heads(self) -> Path:
+        return self.heads / self.LATEST
+
+    @property
+    def events(self) -> Path:
+        return self.root / self.EVENTS
+
+    @property
+    def chunks(self) -> Path:
+        return self.root / self.CHUNKS
+
+    @property
+    def features(self) -> Path:
+        return self.root / self.FEATURES
+
+    @property
+    def node_config(self) -> Path:
+        return self.root / self.NODE_CONFIG
+
+    @property
+    def supernode_log(self) -> Path:
+        return self.root / self.SUPERNODE_LOG
+
+    @property
+    def daemon_status(self) -> Path:
+        return self.root / self.DAEMON_STATUS
+
+    @property
+    def flwr_home(self) -> Path:
+        return self.root / self.FLWR_HOME
 
 
 class StateLocked(OSError):
@@ -103,6 +167,16 @@ def state_dir_of(node_config: Mapping[str, Any]) -> Path | None:
     return Path(value).expanduser() if value else None
 
 
+def read_node_config(state_dir: Path) -> dict:
+    """The node config the daemon last wrote in `state_dir` ({} when none or unreadable)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(StateDir(state_dir).node_config.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def record_event(node_config: Mapping[str, Any], event: str, **fields: Any) -> None:
     """Append one JSON line to <state>/events.jsonl (no state dir: nothing)."""
     state = state_dir_of(node_config)
@@ -111,7 +185,7 @@ def record_event(node_config: Mapping[str, Any], event: str, **fields: Any) -> N
     line = json.dumps({"time": round(time.time(), 3), "event": event, **fields}, default=_plain)
     try:
         state.mkdir(parents=True, exist_ok=True)
-        with open(state / EVENTS_FILE, "a", encoding="utf-8") as handle:
+        with open(StateDir(state).events, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
     except OSError as exc:
         log.warning("cannot write the event log in %s: %s", state, exc)
@@ -133,7 +207,7 @@ def read_heads_meta(directory: Path) -> dict | None:
 
 def latest_heads(state: Path) -> tuple[Path, dict] | None:
     """(folder, metadata) of the newest heads kept in `state`, if any."""
-    folder = state / "heads" / "latest"
+    folder = StateDir(state).latest_heads
     meta = read_heads_meta(folder)
     return (folder.resolve(), meta) if meta else None
 
@@ -183,7 +257,7 @@ def keep_global_heads(
     if state is None or version < 1:
         return None
     try:
-        heads_root = state / "heads"
+        heads_root = StateDir(state).heads
         current = latest_heads(state)
         meta = {
             "run": int(run_id),
@@ -205,7 +279,7 @@ def keep_global_heads(
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        _swap_link(heads_root / "latest", target)
+        _swap_link(StateDir(state).latest_heads, target)
         published = str(node_config.get(HEADS_DIR_KEY, "") or "")
         if published:
             _publish(target, Path(published).expanduser())

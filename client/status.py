@@ -23,15 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from client.daemon.nodeconfig import NODE_CONFIG_FILE, read_node_config
-from client.state import EVENTS_FILE, HEADS_DIR_KEY, latest_heads
+from client.endpoint.defaults import DEFAULT_PORT
+from client.node_config import BASE_MODEL_DIR_KEY, DATA_DIR_KEY, HEADS_DIR_KEY, STATE_DIR_KEY
+from client.state import StateDir, latest_heads, read_node_config
 from common.errors import FedLookaheadError
 from common.federation.protocol import SKIPPED
 from common.model.int8_kernels import cached_reports, cpu_info, describe_cpu
-
-PRIVATE_CACHES = ("chunks", "features")  # what `forget` deletes
-DAEMON_FILE = "daemon.json"
-DEFAULT_SERVE_PORT = 8765
 
 
 def _size(path: Path) -> int:
@@ -63,7 +60,7 @@ def _runs(state: Path) -> list[dict]:
     """The runs this device took part in, oldest first, from events.jsonl."""
     runs: dict[Any, dict] = {}
     try:
-        lines = (state / EVENTS_FILE).read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = StateDir(state).events.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
     for line in lines:
@@ -114,11 +111,13 @@ def _runs(state: Path) -> list[dict]:
 
 
 def _privacy(state: Path, node_config: dict) -> dict:
-    from client.privacy import LEDGER_FILE, TRAINED_MARKER, DeviceFloor, epsilon_of, load_ledger
+    from client.training.dp import epsilon_of
+    from client.training.floor import DeviceFloor
+    from client.training.ledger import load_ledger
 
-    out: dict[str, Any] = {"ledger": str(state / LEDGER_FILE), "marker": str(state / TRAINED_MARKER)}
+    out: dict[str, Any] = {"ledger": str(StateDir(state).ledger), "marker": str(StateDir(state).trained_marker)}
     try:
-        floor = DeviceFloor.from_node_config({**node_config, "state-dir": str(state)})
+        floor = DeviceFloor.from_node_config({**node_config, STATE_DIR_KEY: str(state)})
     except FedLookaheadError as exc:
         floor = DeviceFloor(state)
         out["floor_error"] = str(exc)
@@ -158,13 +157,13 @@ def device_status(state_dir: Path) -> dict:
         raise FedLookaheadError(f"state folder not found: {state} (give the daemon's --state-dir)")
     state = state.resolve()
     node_config = read_node_config(state)
-    daemon = _read_json(state / DAEMON_FILE)
+    daemon = _read_json(StateDir(state).daemon_status)
     kept = latest_heads(state)
     heads = None
     if kept is not None:
         folder, meta = kept
         heads = {
-            "path": str(state / "heads" / "latest"),
+            "path": str(StateDir(state).latest_heads),
             "folder": str(folder),
             "version": meta.get("version"),
             "run": meta.get("run"),
@@ -175,7 +174,7 @@ def device_status(state_dir: Path) -> dict:
     runs = _runs(state)
     if heads is not None:  # the run's FedLookahead name (the server's runs/<run-id>), when the device trained in it
         heads["run_name"] = next((r["name"] for r in runs if r["run"] == heads["run"] and r["name"]), heads["run"])
-    base = str(node_config.get("base-model-dir", "") or "")
+    base = str(node_config.get(BASE_MODEL_DIR_KEY, "") or "")
     generate = ["fedla", "generate", "--state-dir", str(state)] + (["--base", base] if base else [])
     generate += ["--prompt", "def parse_header(line):"]
     serve_url = daemon.get("serve_url") if daemon and _daemon_alive(daemon) else None
@@ -196,22 +195,22 @@ def device_status(state_dir: Path) -> dict:
         "heads": heads,
         "paths": {
             "state": str(state),
-            "privacy ledger": str(state / "privacy-ledger.json"),
-            "trained-once marker": str(state / "trained-once"),
-            "global heads": str(state / "heads"),
+            "privacy ledger": str(StateDir(state).ledger),
+            "trained-once marker": str(StateDir(state).trained_marker),
+            "global heads": str(StateDir(state).heads),
             "published heads": str(node_config.get(HEADS_DIR_KEY) or "(not published)"),
-            "chunks (private text)": str(state / "chunks"),
-            "features (private)": str(state / "features"),
-            "round events": str(state / EVENTS_FILE),
-            "node config": str(state / NODE_CONFIG_FILE),
-            "supernode log": str(state / "supernode.log"),
-            "flower home": str(state / "flwr-home"),
-            "data folder": str(node_config.get("data-dir") or "(unknown: the daemon has not run here)"),
+            "chunks (private text)": str(StateDir(state).chunks),
+            "features (private)": str(StateDir(state).features),
+            "round events": str(StateDir(state).events),
+            "node config": str(StateDir(state).node_config),
+            "supernode log": str(StateDir(state).supernode_log),
+            "flower home": str(StateDir(state).flwr_home),
+            "data folder": str(node_config.get(DATA_DIR_KEY) or "(unknown: the daemon has not run here)"),
             "base": base or "(the embedded default)",
         },
-        "sizes": {name: _size(state / name) for name in PRIVATE_CACHES},
+        "sizes": {name: _size(state / name) for name in StateDir.PRIVATE_CACHES},
         "generate": shlex.join(generate),
-        "endpoint": serve_url or f"http://127.0.0.1:{DEFAULT_SERVE_PORT}/v1/completions",
+        "endpoint": serve_url or f"http://127.0.0.1:{DEFAULT_PORT}/v1/completions",
         "endpoint_running": bool(serve_url),
         "serve": shlex.join(serve),
     }
@@ -304,7 +303,7 @@ def forget(state_dir: Path, yes: bool = False) -> str:
     state = state_dir.expanduser()
     if not state.is_dir():
         raise FedLookaheadError(f"state folder not found: {state}")
-    targets = [state / name for name in PRIVATE_CACHES if (state / name).exists()]
+    targets = [state / name for name in StateDir.PRIVATE_CACHES if (state / name).exists()]
     freed = sum(_size(path) for path in targets)
     if not yes:
         raise FedLookaheadError(
@@ -312,7 +311,7 @@ def forget(state_dir: Path, yes: bool = False) -> str:
             f"({', '.join(p.name + '/' for p in targets) or 'nothing there now'}, {_mb(freed)}); the privacy ledger "
             f"and the global heads stay; add --yes to delete them"
         )
-    daemon = _read_json(state / DAEMON_FILE)
+    daemon = _read_json(StateDir(state).daemon_status)
     if _daemon_alive(daemon):
         raise FedLookaheadError(
             f"fedla client is running on {state} (pid {daemon['pid']}): stop it first, "
@@ -323,7 +322,7 @@ def forget(state_dir: Path, yes: bool = False) -> str:
             path.unlink()
         else:
             shutil.rmtree(path)
-    kept = [name for name in ("privacy-ledger.json", "trained-once", "heads") if (state / name).exists()]
+    kept = [name for name in (StateDir.LEDGER, StateDir.TRAINED_MARKER, StateDir.HEADS) if (state / name).exists()]
     return (
         f"forgot {', '.join(p.name + '/' for p in targets) or 'nothing (no private caches)'} in {state} "
         f"({_mb(freed)}); kept {', '.join(kept) or 'nothing else'}"

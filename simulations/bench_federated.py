@@ -30,8 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def local_training(config_overrides: dict, reps: int) -> dict:
-    from client.privacy import PrivacyState, choose_noise_multiplier, plan, train_round
-    from client.task import cached_base, client_data
+    from client.base_cache import cached_base
+    from client.local_data import client_data
+    from client.training.dp import PrivacyState, choose_noise_multiplier, plan
+    from client.training.local_round import train_round
     from common.data.features import base_features
     from common.federation.config import FedConfig
     from common.heads.lookahead import DraftHeads
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report["rounds"] = rounds
 
-    from client.task import base_dir
+    from client.base_cache import base_dir
     from common.federation.config import FedConfig
     from common.model.base import load_base
 

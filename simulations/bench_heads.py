@@ -12,7 +12,7 @@ budget and is measured on the same held-out chunks and prompts (held-out stdlib 
   `cached_8192_eagle`: the base features computed once per chunk (common/data/features.py), then the draft
   vocabulary size and the head architecture varied one at a time (eagle: the fusion head followed by one
   decoder layer shaped like the base's, common/heads/eagle.py).
-* `dp_8192_recurrent`, `dp_8192_eagle`: the same under Opacus DP-SGD (client/privacy.py's train_round,
+* `dp_8192_recurrent`, `dp_8192_eagle`: the same under Opacus DP-SGD (client/training/local_round.py's train_round,
   sigma for eps 8 over the rounds), for the DP / non-DP rate ratio.
 
 Per variant: training tokens/s, held-out top-1 accuracy of each head against the base's greedy choices,
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from client.privacy import PrivacyState, train_round
+from client.training.dp import PrivacyState
+from client.training.local_round import train_round
 from common.data.chunks import chunk_files, prompts_from_files, stdlib_files
 from common.data.features import Features, base_features, compute_features, extractor_for
 from common.decoding import AmsPolicy, generate

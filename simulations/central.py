@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from client.task import cached_base, client_data
+    from client.base_cache import cached_base
+    from client.local_data import client_data
     from common.data.features import base_features
     from common.federation.config import FedConfig
     from common.heads.lookahead import DraftHeads

@@ -15,9 +15,11 @@ from typer.testing import CliRunner
 
 from client.daemon import DaemonOptions, node_config_values, write_node_config
 from client.daemon.readiness import prepare
-from client.privacy import LEDGER_FILE, TRAINED_MARKER, Ledger, PrivacyState, epsilon_of, save_ledger
-from client.state import keep_global_heads, record_event
+from client.node_config import HEADS_DIR_KEY
+from client.state import StateDir, keep_global_heads, record_event
 from client.status import device_status, forget, format_status
+from client.training.dp import PrivacyState, epsilon_of
+from client.training.ledger import Ledger, save_ledger
 from common.cli.app import app
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
@@ -111,7 +113,7 @@ def test_status_reads_the_state_folder(device):
     assert status["last_round"] == {"run": "deploy-b", "round": 2}
     assert (status["heads"]["version"], status["heads"]["run"]) == (2, 8)
     assert status["paths"]["chunks (private text)"] == str(state.resolve() / "chunks")
-    assert status["paths"]["published heads"] == device["values"]["heads-dir"]
+    assert status["paths"]["published heads"] == device["values"][HEADS_DIR_KEY]
     assert status["generate"].startswith(f"fedla generate --state-dir {state.resolve()} --base ")
     text = format_status(status)
     assert f"lifetime epsilon {privacy['epsilon']:.3f} of budget 3" in text
@@ -137,7 +139,7 @@ def test_status_names_the_cpu_and_the_int8_kernel_measured_on_it(device, tmp_pat
 def test_status_of_an_untrusted_ledger_fails_closed(tmp_path):
     state = tmp_path / "state"
     save_ledger(Ledger(state, runs={"r": PrivacyState("r", 1.0, HISTORY)}))
-    (state / LEDGER_FILE).unlink()  # the marker remembers that the device trained
+    (state / StateDir.LEDGER).unlink()  # the marker remembers that the device trained
     result = CliRunner().invoke(app, ["client", "status", "--state-dir", str(state)])
     assert result.exit_code == 1
     assert "lifetime epsilon UNKNOWN" in result.stdout and "reset-ledger" in result.stdout
@@ -191,7 +193,7 @@ def test_generate_uses_the_daemons_heads(device, tiny_base_dir, monkeypatch, tmp
 
 def test_forget_wipes_private_caches_and_keeps_the_ledger(device):
     state = device["state"]
-    kept = {name: digest(state / name) for name in (LEDGER_FILE, TRAINED_MARKER)}
+    kept = {name: digest(state / name) for name in (StateDir.LEDGER, StateDir.TRAINED_MARKER)}
     heads = digest(state / "heads" / "latest" / "heads.safetensors")
     epsilon = device_status(state)["privacy"]["epsilon"]
     refused = CliRunner().invoke(app, ["client", "forget", "--state-dir", str(state)])

@@ -37,6 +37,15 @@ from client.daemon import (
     node_config_values,
     preflight,
 )
+from client.node_config import (
+    BUDGET_KEY,
+    DATA_DIR_KEY,
+    HEADS_DIR_KEY,
+    MAX_DELTA_KEY,
+    MAX_GRAD_NORM_KEY,
+    MIN_NOISE_KEY,
+    STATE_DIR_KEY,
+)
 from client.state import keep_global_heads, latest_heads
 from common.data.chunks import stdlib_dir
 from common.procs import alive, descendants, free_port, start_time
@@ -241,15 +250,15 @@ def test_node_config_carries_the_device_settings(tmp_path, monkeypatch):
         node_config='max-chunks-per-client=7 partitioning="iid"',
     )
     values = node_config_values(opts, tmp_path / "state")
-    assert values["data-dir"] == str((tmp_path / "d").resolve())
-    assert values["state-dir"] == str((tmp_path / "state").resolve())
-    assert values["heads-dir"] == str((tmp_path / "home" / "heads" / "latest").resolve())  # = default_heads_dir()
+    assert values[DATA_DIR_KEY] == str((tmp_path / "d").resolve())
+    assert values[STATE_DIR_KEY] == str((tmp_path / "state").resolve())
+    assert values[HEADS_DIR_KEY] == str((tmp_path / "home" / "heads" / "latest").resolve())  # = default_heads_dir()
     assert values["device"] == "cpu" and values["max-chunks-per-client"] == 7
     assert (
-        values["budget-epsilon"],
-        values["max-dp-delta"],
-        values["max-dp-grad-norm"],
-        values["min-dp-noise-multiplier"],
+        values[BUDGET_KEY],
+        values[MAX_DELTA_KEY],
+        values[MAX_GRAD_NORM_KEY],
+        values[MIN_NOISE_KEY],
     ) == (3.5, 1e-5, 1.0, 0.5)  # the privacy floor, defaults but the budget
     from flwr.app import Context, RecordDict
 
@@ -272,7 +281,7 @@ def test_global_heads_are_kept_by_version_and_published(tmp_path, tiny_base):
     from common.heads.lookahead import DraftHeads
 
     state, published = tmp_path / "state", tmp_path / "pub" / "latest"
-    node_config = {"state-dir": str(state), "heads-dir": str(published)}
+    node_config = {STATE_DIR_KEY: str(state), HEADS_DIR_KEY: str(published)}
     heads = DraftHeads.fresh(tiny_base, 2)
     assert keep_global_heads(heads, node_config, run_id=7, server_round=1) is None  # version 0: untrained
     for version in (1, 2):

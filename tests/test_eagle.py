@@ -113,8 +113,9 @@ def test_opacus_per_sample_gradients_of_eagle_heads_match_autograd(bases):
 
 
 def test_eagle_heads_train_under_dp_sgd(bases):
-    """A DP round through client.privacy.train_round: Opacus accounts it and the layer's weights move."""
-    from client.privacy import PrivacyState, train_round
+    """A DP round through client.training.local_round.train_round: Opacus accounts it and the layer's weights move."""
+    from client.training.dp import PrivacyState
+    from client.training.local_round import train_round
     from common.federation.config import FedConfig
 
     base = bases["llama"]

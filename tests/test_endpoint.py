@@ -1,4 +1,4 @@
-"""The device's local generation endpoint (client.endpoint), driven by a real HTTP client against uvicorn."""
+"""The device's local generation endpoint (client/endpoint/), driven by a real HTTP client against uvicorn."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client.endpoint import EndpointServer, check_loopback, create_endpoint_app, serve_endpoint, start_endpoint
+from client.endpoint.api import create_endpoint_app
+from client.endpoint.server import EndpointServer, check_loopback, serve_endpoint, start_endpoint
+from client.node_config import STATE_DIR_KEY
 from client.state import keep_global_heads
 from common.decoding import generate
 from common.errors import FedLookaheadError
@@ -66,7 +68,9 @@ def versioned_heads(base: BaseModel, version: int) -> DraftHeads:
 
 def push_heads(state: Path, base: BaseModel, version: int) -> Path:
     """Keep heads the way the ClientApp does when a round delivers them: a new folder, `latest` swapped."""
-    assert keep_global_heads(versioned_heads(base, version), {"state-dir": str(state)}, run_id=7, server_round=version)
+    assert keep_global_heads(
+        versioned_heads(base, version), {STATE_DIR_KEY: str(state)}, run_id=7, server_round=version
+    )
     return state / "heads" / "latest"
 
 
@@ -499,7 +503,7 @@ def test_harmless_openai_fields_are_accepted(client):
 def test_fill_in_the_middle_uses_the_tokenizers_fim_tokens(ref_base):
     from types import SimpleNamespace
 
-    from client.endpoint import fill_in_the_middle
+    from client.endpoint.completion import fill_in_the_middle
 
     tokenizer = SimpleNamespace(get_vocab=lambda: {"<fim_prefix>": 1, "<fim_suffix>": 2, "<fim_middle>": 3})
     fake = SimpleNamespace(tokenizer=tokenizer, path=ref_base.path)

@@ -20,7 +20,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from client import client_app as client_module
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
-from client.privacy import epsilon_of
+from client.node_config import STATE_DIR_KEY
+from client.training.dp import epsilon_of
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.records import heads_to_ndarrays
@@ -347,7 +348,7 @@ def test_a_device_reveals_its_spending_and_nothing_else_of_its_data(run_config, 
 
     config = dict(run_config, **{"max-chunks-per-client": 40, "fraction-evaluate": 1.0})
     states = {i: tmp_path / f"device-{i}" for i in (0, 1)}
-    grid = InProcessGrid(client_module.app, 3, config, {i: {"state-dir": str(s)} for i, s in states.items()})
+    grid = InProcessGrid(client_module.app, 3, config, {i: {STATE_DIR_KEY: str(s)} for i, s in states.items()})
     seen: list = []
     real = grid.send_and_receive
 

@@ -17,8 +17,10 @@ from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 
 from client.client_app import train_handler
-from client.privacy import PrivacyState, epsilon_of, load_state, save_state
-from client.task import PackagePartitioner
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+from client.partitions import PackagePartitioner
+from client.training.dp import PrivacyState, epsilon_of
+from client.training.run_state import load_state, save_state
 from common.data.chunks import stdlib_dir
 from common.data.features import compute_features, fast_feature_dtype
 from common.errors import FedLookaheadError
@@ -77,7 +79,7 @@ def test_config_rejects_unknown_keys_and_impossible_minimums():
         FedConfig.from_mapping({"min-train-clients": 5, "min-available-clients": 3})
     with pytest.raises(FedLookaheadError, match="below secagg-num-shares"):
         FedConfig.from_mapping({"secagg-num-shares": 4, "secagg-reconstruction-threshold": 4})
-    device = FedConfig.from_mapping({}, {"dp-target-epsilon": 2.0, "partition-id": 3})
+    device = FedConfig.from_mapping({}, {"dp-target-epsilon": 2.0, PARTITION_ID_KEY: 3})
     assert device.dp_target_epsilon == 2.0  # a device may be stricter than the run
 
 
@@ -139,7 +141,9 @@ def test_restored_accountant_equals_a_continuous_one(tmp_path):
         for _ in range(20):
             engine.accountant.step(noise_multiplier=1.0, sample_rate=0.05)
             continuous.step(noise_multiplier=1.0, sample_rate=0.05)
-        state.history = [tuple(h) for h in engine.accountant.history]  # what client.privacy.train_round keeps
+        state.history = [
+            tuple(h) for h in engine.accountant.history
+        ]  # what client.training.local_round.train_round keeps
         state.noise_multiplier = 1.0
         save_state(context, path, state)
         restored = PrivacyState.from_record(context.state.config_records["fedla-privacy"])
@@ -222,7 +226,7 @@ def _client_context(tiny_base_dir, **overrides) -> Context:
     return Context(
         run_id=7,
         node_id=3,
-        node_config={"partition-id": 0, "num-partitions": 1},
+        node_config={PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 1},
         state=RecordDict(),
         run_config=run_config,
     )

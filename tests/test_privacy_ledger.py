@@ -1,5 +1,5 @@
 """A device's privacy is its own: a floor the run config cannot lower, and one lifetime ledger that a lost
-or replaced file cannot reset silently (client.privacy, client.daemon)."""
+or replaced file cannot reset silently (client.training, client.daemon)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from flwr.app import Context, RecordDict
 from opacus.accountants import RDPAccountant
 
+from client.base_cache import cached_base
 from client.client_app import client_config, train_handler
 from client.daemon import (
     EXIT_BAD_INPUT,
@@ -19,16 +20,20 @@ from client.daemon import (
     preflight,
     reset_ledger_command,
 )
-from client.privacy import (
-    LEDGER_FILE,
-    TRAINED_MARKER,
-    LedgerError,
-    epsilon_of,
-    load_ledger,
-    plan,
-    reset_ledger,
+from client.local_data import client_data
+from client.node_config import (
+    BUDGET_KEY,
+    MAX_DELTA_KEY,
+    MAX_GRAD_NORM_KEY,
+    MIN_CHUNK_LEN_KEY,
+    MIN_NOISE_KEY,
+    NUM_PARTITIONS_KEY,
+    PARTITION_ID_KEY,
+    STATE_DIR_KEY,
 )
-from client.task import cached_base, client_data
+from client.state import StateDir
+from client.training.dp import epsilon_of, plan
+from client.training.ledger import LedgerError, load_ledger, reset_ledger
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
 from common.federation.records import heads_config_dict, heads_to_ndarrays
@@ -46,7 +51,7 @@ RUN = {
 
 def _device(tiny_base_dir: Path, state: Path, run: dict | None = None, **floor) -> Context:
     """A device's context: node config with a state-dir (as `fedla client` writes it) and its privacy floor."""
-    node_config = {"state-dir": str(state), "partition-id": 0, "num-partitions": 1, **floor}
+    node_config = {STATE_DIR_KEY: str(state), PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 1, **floor}
     return Context(
         run_id=7,
         node_id=3,
@@ -60,9 +65,9 @@ def _train(context: Context, heads: DraftHeads, run_key: str) -> dict:
     """One round on the device; its whole account of it, as its own event log keeps it (the server gets less)."""
     fit_config = {**heads_config_dict(heads), "fedla-run-id": run_key, "server-round": 1}
     sent = train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
-    if "state-dir" not in context.node_config:  # a simulated client keeps no log: it reports everything
+    if STATE_DIR_KEY not in context.node_config:  # a simulated client keeps no log: it reports everything
         return sent
-    events = (Path(context.node_config["state-dir"]) / "events.jsonl").read_text().splitlines()
+    events = (Path(context.node_config[STATE_DIR_KEY]) / "events.jsonl").read_text().splitlines()
     kept = [json.loads(line)["metrics"] for line in events if json.loads(line)["event"] == "train-done"]
     mine = next(
         m for m in reversed(kept) if m["epsilon"] == sent["epsilon"] and m["skip-reason"] == sent["skip-reason"]
@@ -72,7 +77,7 @@ def _train(context: Context, heads: DraftHeads, run_key: str) -> dict:
 
 
 def test_device_floor_beats_a_weaker_run_config(tiny_base, tiny_base_dir, tmp_path):
-    floor = {"max-dp-delta": 1e-5, "max-dp-grad-norm": 1.0, "min-dp-noise-multiplier": 0.8, "budget-epsilon": 50.0}
+    floor = {MAX_DELTA_KEY: 1e-5, MAX_GRAD_NORM_KEY: 1.0, MIN_NOISE_KEY: 0.8, BUDGET_KEY: 50.0}
     weak = {"dp": False, "dp-delta": 0.5, "dp-max-grad-norm": 100.0}
     context = _device(tiny_base_dir, tmp_path / "state", weak, **floor)
     config = client_config(context)
@@ -92,12 +97,12 @@ def test_the_privacy_unit_is_the_devices_to_bound(tiny_base_dir, tmp_path):
     for 8-token chunks got the same epsilon reported for protecting a quarter of the text per unit."""
     context = _device(tiny_base_dir, tmp_path / "state", {"chunk-len": 8})
     assert client_config(context).chunk_len == 32  # the floor's default
-    context = _device(tiny_base_dir, tmp_path / "state", {"chunk-len": 48}, **{"min-chunk-len": 64})
+    context = _device(tiny_base_dir, tmp_path / "state", {"chunk-len": 48}, **{MIN_CHUNK_LEN_KEY: 64})
     assert client_config(context).chunk_len == 64
     assert client_config(_device(tiny_base_dir, tmp_path / "state", {"chunk-len": 96})).chunk_len == 96  # stricter
     for bad in (4, 40.5):
         with pytest.raises(FedLookaheadError, match="min-chunk-len must be a whole number of at least 8 tokens"):
-            client_config(_device(tiny_base_dir, tmp_path / "state", **{"min-chunk-len": bad}))
+            client_config(_device(tiny_base_dir, tmp_path / "state", **{MIN_CHUNK_LEN_KEY: bad}))
 
 
 def test_budget_is_the_devices_across_runs(tiny_base, tiny_base_dir, tmp_path):
@@ -113,16 +118,16 @@ def test_budget_is_the_devices_across_runs(tiny_base, tiny_base_dir, tmp_path):
     heads = DraftHeads.fresh(tiny_base, 2)
     run = {"dp-noise-multiplier": 1.0}
     for _ in range(2):
-        metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": budget}), heads, "run-a")
+        metrics = _train(_device(tiny_base_dir, state, run, **{BUDGET_KEY: budget}), heads, "run-a")
         assert metrics["skipped"] == 0
     assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)  # Opacus over both rounds
-    metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": budget}), heads, "run-b")
+    metrics = _train(_device(tiny_base_dir, state, run, **{BUDGET_KEY: budget}), heads, "run-b")
     assert metrics["skipped"] == 1 and "lifetime epsilon" in metrics["skip-reason"]
     assert metrics["epsilon"] == pytest.approx(continuous.get_epsilon(1e-5), rel=1e-9)
-    ledger = json.loads((state / LEDGER_FILE).read_text())
-    assert list(ledger["runs"]) == ["run-a"] and sorted(p.name for p in state.glob("privacy*")) == [LEDGER_FILE]
+    ledger = json.loads((state / StateDir.LEDGER).read_text())
+    assert list(ledger["runs"]) == ["run-a"] and sorted(p.name for p in state.glob("privacy*")) == [StateDir.LEDGER]
     # with room for it, run B trains and both runs compose in the one ledger
-    metrics = _train(_device(tiny_base_dir, state, run, **{"budget-epsilon": 100.0}), heads, "run-b")
+    metrics = _train(_device(tiny_base_dir, state, run, **{BUDGET_KEY: 100.0}), heads, "run-b")
     assert metrics["skipped"] == 0
     for _ in range(steps):
         continuous.step(noise_multiplier=1.0, sample_rate=q)
@@ -134,8 +139,8 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
     state = tmp_path / "state"
     heads = DraftHeads.fresh(tiny_base, 2)
     assert _train(_device(tiny_base_dir, state), heads, "run-a")["skipped"] == 0
-    assert (state / TRAINED_MARKER).is_file()
-    ledger_file = state / LEDGER_FILE
+    assert (state / StateDir.TRAINED_MARKER).is_file()
+    ledger_file = state / StateDir.LEDGER
     good = ledger_file.read_text()
     emptied = json.loads(good)
     emptied["runs"]["run-a"]["history"] = []
@@ -171,7 +176,7 @@ def test_a_lost_ledger_stops_training_until_reset(tiny_base, tiny_base_dir, tmp_
     assert ledger_file.read_text() == corrupt
     assert reset_ledger_command(state, yes=True) == EXIT_OK
     assert "reset: past spending forgotten" in capsys.readouterr().out
-    assert [p.read_text() for p in state.glob(f"{LEDGER_FILE}.reset-*")] == [corrupt]
+    assert [p.read_text() for p in state.glob(f"{StateDir.LEDGER}.reset-*")] == [corrupt]
     assert load_ledger(state).resets[0]["forgotten_steps"] > 0
     assert _train(_device(tiny_base_dir, state), heads, "run-b")["skipped"] == 0
 
@@ -181,7 +186,7 @@ def test_simulated_clients_keep_the_run_config(tiny_base, tiny_base_dir):
     context = Context(
         run_id=7,
         node_id=3,
-        node_config={"partition-id": 0, "num-partitions": 1},
+        node_config={PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 1},
         state=RecordDict(),
         run_config={"base-model-dir": str(tiny_base_dir), **RUN, "dp": False},
     )
@@ -196,9 +201,9 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
     import threading
     import time
 
-    import client.privacy as privacy
+    import client.training.local_round as local_round
 
-    real_train_round = privacy.train_round
+    real_train_round = local_round.train_round
 
     def slow_train_round(*args, **kwargs):
         result = real_train_round(*args, **kwargs)
@@ -209,16 +214,14 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
     # a first round loads the base and caches the features (real rounds run in separate processes, each with
     # its own copy; threads of one process would share a half-loaded base)
     results: dict[str, dict] = {
-        "run-0": _train(
-            _device(tiny_base_dir, state, **{"budget-epsilon": 100.0}), DraftHeads.fresh(tiny_base, 2), "run-0"
-        )
+        "run-0": _train(_device(tiny_base_dir, state, **{BUDGET_KEY: 100.0}), DraftHeads.fresh(tiny_base, 2), "run-0")
     }
-    monkeypatch.setattr(privacy, "train_round", slow_train_round)
+    monkeypatch.setattr(local_round, "train_round", slow_train_round)
 
     def round_of(run_key: str) -> None:
         try:
             results[run_key] = _train(
-                _device(tiny_base_dir, state, **{"budget-epsilon": 100.0}), DraftHeads.fresh(tiny_base, 2), run_key
+                _device(tiny_base_dir, state, **{BUDGET_KEY: 100.0}), DraftHeads.fresh(tiny_base, 2), run_key
             )
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             results[run_key] = {"error": repr(exc)}
@@ -239,7 +242,7 @@ def test_two_rounds_at_once_on_one_state_folder_both_reach_the_ledger(tiny_base,
 def test_a_killed_writers_temporary_ledger_is_cleaned_up(tiny_base, tiny_base_dir, tmp_path):
     state = tmp_path / "state"
     state.mkdir()
-    stale = [state / f".{LEDGER_FILE}.99999.tmp", state / f".{TRAINED_MARKER}.99999.tmp"]
+    stale = [state / f".{StateDir.LEDGER}.99999.tmp", state / f".{StateDir.TRAINED_MARKER}.99999.tmp"]
     for path in stale:
         path.write_text('{"half": ')
     assert _train(_device(tiny_base_dir, state), DraftHeads.fresh(tiny_base, 2), "run-a")["skipped"] == 0
@@ -250,13 +253,13 @@ def test_a_killed_writers_temporary_ledger_is_cleaned_up(tiny_base, tiny_base_di
 def test_a_second_daemon_on_the_same_state_folder_is_refused(tiny_base_dir, tmp_path):
     """Issue 29 item 1: a second `fedla client` on one --state-dir started without complaint."""
     from client.daemon import ClientDaemon
-    from client.state import DAEMON_LOCK, state_lock
+    from client.state import state_lock
 
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
     state = tmp_path / "state"
     opts = DaemonOptions(superlink="127.0.0.1:9092", data=data, base=tiny_base_dir, device="cpu", state_dir=state)
-    with state_lock(state, DAEMON_LOCK):  # what the first daemon holds while it runs
+    with state_lock(state, StateDir.DAEMON_LOCK):  # what the first daemon holds while it runs
         with pytest.raises(DaemonError, match=r"another fedla client is running on state folder .*process \d+"):
             ClientDaemon(opts, emit=lambda line: None).run()

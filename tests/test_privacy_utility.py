@@ -21,7 +21,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from opacus.accountants import RDPAccountant
 
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
-from client.privacy import PrivacyState, train_round
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, STATE_DIR_KEY
+from client.training.dp import PrivacyState
+from client.training.local_round import train_round
 from common.data.chunks import stdlib_dir
 from common.data.features import base_features
 from common.federation.config import FedConfig
@@ -250,7 +252,7 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
 def test_a_device_keeps_its_own_dp_sgd_when_a_run_asks_for_user_level(tiny_base, tiny_base_dir, tmp_path, one_thread):
     """User-level DP trusts the server with the noise; a device (state-dir: its own privacy floor) never
     does, so it still trains with Opacus DP-SGD and reports its epsilon."""
-    node_config = {"state-dir": str(tmp_path / "state"), "partition-id": 0, "num-partitions": 1}
+    node_config = {STATE_DIR_KEY: str(tmp_path / "state"), PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 1}
     run_config = {
         "base-model-dir": str(tiny_base_dir),
         "data-source": str(stdlib_dir() / "json"),
@@ -329,9 +331,9 @@ def test_low_rank_dp_training_changes_each_linear_by_a_rank_r_update(tiny_base, 
 def test_a_large_expected_batch_is_taken_in_physical_pieces(tiny_base, one_thread, monkeypatch):
     """Opacus's BatchMemoryManager splits a logical batch above PHYSICAL_BATCH chunks into pieces, with
     one noisy step per logical batch: the accountant counts the planned steps, not the pieces."""
-    import client.privacy as privacy
+    import client.training.local_round as local_round
 
-    monkeypatch.setattr(privacy, "PHYSICAL_BATCH", 4)
+    monkeypatch.setattr(local_round, "PHYSICAL_BATCH", 4)
     heads = DraftHeads.fresh(tiny_base, 2)
     features = base_features(tiny_base, torch.randint(0, tiny_base.vocab_size, (32, 16)))
     config = FedConfig.from_mapping({"batch-size": 16, "dp-target-epsilon": 8.0})

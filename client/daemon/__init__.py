@@ -5,7 +5,7 @@ In order, it
    wrong;
 2. gets ready (readiness.py): builds the embedded base if the device has none, tokenises the device's
    private files into <state>/chunks and, when cheap, caches their base features, with progress bars;
-3. writes the device's settings as node config (nodeconfig.py) and runs Flower's own SuperNode,
+3. writes the device's settings as node config (options.py, client/node_config.py) and runs Flower's own SuperNode,
    `flower-supernode`, as a child process (supernode.py), with TLS and node authentication;
 4. restarts it when it exits, as the pure restart policy says (policy.py), and tells the owner what
    happens (reporter.py): one line per round from <state>/events.jsonl, and the lifecycle lines
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.checks import check_auth_key, check_data, parse_address, preflight
-from client.daemon.nodeconfig import NODE_CONFIG_FILE, floor_values, node_config_values, write_node_config
 from client.daemon.options import (
     EXIT_BAD_INPUT,
     EXIT_OK,
@@ -37,11 +36,21 @@ from client.daemon.options import (
     EXIT_UNREACHABLE,
     DaemonError,
     DaemonOptions,
+    floor_values,
+    node_config_values,
 )
 from client.daemon.policy import Decision, Outcome, RestartPolicy
 from client.daemon.reporter import RoundLogger, decision_line, final_error, format_round, server_gone
 from client.daemon.supernode import SuperNode, classify, parse_line, supernode_command
-from client.state import DAEMON_LOCK, EVENTS_FILE, StateLocked, default_state_dir, state_lock
+from client.node_config import (
+    BASE_MODEL_DIR_KEY,
+    BUDGET_KEY,
+    DATA_DIR_KEY,
+    HEADS_DIR_KEY,
+    MAX_DELTA_KEY,
+    write_node_config,
+)
+from client.state import StateDir, StateLocked, default_state_dir, state_lock
 from common.errors import FedLookaheadError
 from common.model.base import Loading
 from common.procs import flower_env, free_port
@@ -71,7 +80,6 @@ __all__ = [
 log = logging.getLogger("fedla.client")
 
 GIVE_UP_GRACE = 5.0  # seconds a SuperNode that gave up reconnecting gets to exit by itself
-DAEMON_FILE = "daemon.json"
 
 
 class ClientDaemon:
@@ -85,8 +93,8 @@ class ClientDaemon:
         self.connected_this_start = False
         self.gone_announced = False
         self.gave_up_at: float | None = None
-        self.flwr_home = self.state_dir / "flwr-home"
-        self.log_path = self.state_dir / "supernode.log"
+        self.flwr_home = StateDir(self.state_dir).flwr_home
+        self.log_path = StateDir(self.state_dir).supernode_log
         self.status: dict = {}
 
     # -- what flower-supernode says (called from its reader thread)
@@ -131,9 +139,9 @@ class ClientDaemon:
                 **extra,
             }
         )
-        tmp = self.state_dir / f".{DAEMON_FILE}.{os.getpid()}"
+        tmp = self.state_dir / f".{StateDir.DAEMON_STATUS}.{os.getpid()}"
         tmp.write_text(json.dumps(self.status, indent=1, default=str))
-        os.replace(tmp, self.state_dir / DAEMON_FILE)
+        os.replace(tmp, StateDir(self.state_dir).daemon_status)
 
     def stop(self, *_args) -> None:
         self.stopping.set()
@@ -144,7 +152,7 @@ class ClientDaemon:
 
         base_dir = prepare_base(self.opts.base, self.emit)
         values = node_config_values(self.opts, self.state_dir, base_dir)
-        write_node_config(self.state_dir / NODE_CONFIG_FILE, values)
+        write_node_config(StateDir(self.state_dir).node_config, values)
         if self.opts.prepare:
             try:
                 ready = prepare(values, self.emit)
@@ -181,7 +189,7 @@ class ClientDaemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with ExitStack() as held:
             try:  # one daemon per state folder: two would share one privacy ledger and one node identity
-                held.enter_context(state_lock(self.state_dir, DAEMON_LOCK))
+                held.enter_context(state_lock(self.state_dir, StateDir.DAEMON_LOCK))
             except StateLocked as exc:
                 raise DaemonError(
                     f"another fedla client is running on state folder {self.state_dir} ({exc}): "
@@ -194,15 +202,13 @@ class ClientDaemon:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self._write_status("preparing")
         values = self._prepare()
-        cmd = supernode_command(opts, self.state_dir / NODE_CONFIG_FILE, opts.runtime_port or free_port())
-        from client.privacy import BUDGET_KEY, MAX_DELTA_KEY
-
+        cmd = supernode_command(opts, StateDir(self.state_dir).node_config, opts.runtime_port or free_port())
         budget = float(values[BUDGET_KEY])
-        rounds = RoundLogger(self.state_dir / EVENTS_FILE, self.emit, budget)
+        rounds = RoundLogger(StateDir(self.state_dir).events, self.emit, budget)
         self.emit(
-            f"fedla client: {info['data_files']} text file(s) in {values['data-dir']}, device {opts.device}, "
-            f"base {values['base-model-dir']}, state {self.state_dir}"
-            + (f", heads published to {values['heads-dir']}" if "heads-dir" in values else "")
+            f"fedla client: {info['data_files']} text file(s) in {values[DATA_DIR_KEY]}, device {opts.device}, "
+            f"base {values[BASE_MODEL_DIR_KEY]}, state {self.state_dir}"
+            + (f", heads published to {values[HEADS_DIR_KEY]}" if HEADS_DIR_KEY in values else "")
             + f", lifetime privacy budget epsilon {budget:g} at delta {float(values[MAX_DELTA_KEY]):g}"
         )
         if info["public_key"]:
@@ -212,12 +218,12 @@ class ClientDaemon:
         endpoint = None
         try:
             if opts.serve_port:  # apps on this device generate with the newest heads the rounds deliver
-                from client.endpoint import start_endpoint
+                from client.endpoint.server import start_endpoint
 
                 try:
                     endpoint = start_endpoint(
-                        Path(values["base-model-dir"]),
-                        self.state_dir / "heads" / "latest",
+                        Path(values[BASE_MODEL_DIR_KEY]),
+                        StateDir(self.state_dir).latest_heads,
                         port=opts.serve_port,
                         loading=Loading(device=opts.device),
                     )
@@ -263,12 +269,12 @@ class ClientDaemon:
 
 
 def reset_ledger_command(state_dir: Path | None, yes: bool) -> int:
-    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.privacy.reset_ledger).
+    """`fedla client reset-ledger`: start the device's privacy ledger over, on purpose (client.training.ledger.reset_ledger).
 
     Prints one line (what was done, or on stderr why not and what resetting means) and returns the
     exit code: 0, or EXIT_BAD_INPUT without --yes or without a state folder.
     """
-    from client.privacy import reset_ledger
+    from client.training.ledger import reset_ledger
 
     try:
         print(reset_ledger(state_dir or default_state_dir(), yes=yes), flush=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from client.daemon.options import DaemonError, DaemonOptions
+from client.daemon.options import DaemonError, DaemonOptions, floor_values, parse_node_config
+from client.node_config import STATE_DIR_KEY
 from client.state import default_state_dir
 from common.errors import FedLookaheadError
 from common.model.base import resolve_device
@@ -112,33 +113,20 @@ def check_state_dir(folder: Path) -> None:
         raise DaemonError(f"state folder {folder} is not writable: {exc}") from exc
 
 
-def parse_node_config(text: str) -> dict:
-    """`--node-config "k=v ..."` with TOML values, as Flower parses it."""
-    if not text:
-        return {}
-    from flwr.common.config import parse_config_args
-
-    try:
-        return parse_config_args([text])
-    except Exception as exc:  # noqa: BLE001 - click/tomli errors
-        raise DaemonError(f"--node-config {text!r} is not `k=v ...` with TOML values: {exc}") from exc
-
-
 def check_privacy(node_config: dict) -> None:
     """The privacy floor is valid and the ledger can be trusted (else the device would decline every round)."""
-    from client.privacy import DeviceFloor, load_ledger
+    from client.training.floor import DeviceFloor
+    from client.training.ledger import load_ledger
 
     try:
         DeviceFloor.from_node_config(node_config)
-        load_ledger(Path(node_config["state-dir"]))
+        load_ledger(Path(node_config[STATE_DIR_KEY]))
     except FedLookaheadError as exc:
         raise DaemonError(str(exc)) from exc
 
 
 def preflight(opts: DaemonOptions) -> dict:
     """Every check that needs no network; raises DaemonError (one line) on the first problem."""
-    from client.daemon.nodeconfig import floor_values
-
     parse_address(opts.superlink)
     files = check_data(opts.data)
     check_base(opts.base)
@@ -155,5 +143,5 @@ def preflight(opts: DaemonOptions) -> dict:
     state_dir = (opts.state_dir or default_state_dir()).expanduser()
     check_state_dir(state_dir)
     extra = parse_node_config(opts.node_config)
-    check_privacy({**floor_values(opts), **extra, "state-dir": str(state_dir)})
+    check_privacy({**floor_values(opts), **extra, STATE_DIR_KEY: str(state_dir)})
     return {"data_files": files, "public_key": public_key}

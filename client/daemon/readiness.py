@@ -3,7 +3,7 @@
 1. The base: the embedded default (or `--base toy`) is built or converted once under $FEDLA_HOME;
    a model folder is used as is. Its resolved folder goes into the node config, so every ClientApp
    loads exactly this base and never builds one inside a round.
-2. The device's private files are tokenised into chunks, cached in <state>/chunks (client.task),
+2. The device's private files are tokenised into chunks, cached in <state>/chunks (client.corpus),
    with a progress bar.
 3. Base features of those chunks, cached in <state>/features (common.data.features), when that is cheap:
    a timed sample projects the whole cost, and above `FEATURE_SECONDS` round 1 computes them.
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from client.daemon.options import DaemonError
+from client.node_config import BASE_MODEL_DIR_KEY, STATE_DIR_KEY
+from client.state import StateDir
 from common.errors import FedLookaheadError
 
 FEATURE_SECONDS = 120.0  # projected feature extraction up to this long is done before joining
@@ -59,13 +61,13 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     """Chunks (and base features when cheap) of this device's files, cached in its state folder."""
     import torch
 
-    from client.task import client_data, client_features
+    from client.local_data import client_data, client_features
     from common.data.features import compute_features, extractor_for
     from common.federation.config import FedConfig
     from common.model.base import load_base
 
     started = time.perf_counter()
-    base_dir = Path(node_config["base-model-dir"])
+    base_dir = Path(node_config[BASE_MODEL_DIR_KEY])
     try:
         config = FedConfig.from_mapping({}, node_config)
         base = load_base(base_dir, device=config.device)
@@ -76,10 +78,10 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
     except FedLookaheadError as exc:
         raise NotPrepared(str(exc)) from None
     ready = Readiness(base_dir, len(data.train), len(data.heldout))
-    state = Path(node_config["state-dir"])
+    state = StateDir(Path(node_config[STATE_DIR_KEY]))
     emit(
         f"tokenised: {len(data.train)} training and {len(data.heldout)} held-out chunks of {config.chunk_len} tokens "
-        f"in {state / 'chunks'}"
+        f"in {state.chunks}"
     )
     if features and len(data.train):
         extractor = extractor_for(base)
@@ -94,7 +96,7 @@ def prepare(node_config: dict, emit: Callable[[str], None], features: bool = Tru
             if len(data.heldout):
                 client_features(config, base, data.heldout, node_config, progress=True)
             ready.features = f"computed in {time.perf_counter() - tick:.0f}s"
-            emit(f"base features: {ready.features}, in {state / 'features'}")
+            emit(f"base features: {ready.features}, in {state.features}")
         else:
             ready.features = f"skipped (about {projected / 60:.0f} min here: round 1 computes them)"
             emit(f"base features: {ready.features}")

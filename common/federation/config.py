@@ -5,7 +5,7 @@ test checks it line by line (key, value, comment) against `FedConfig`. Flower ha
 config (pyproject defaults + `flwr run --run-config` overrides) to both sides as `context.run_config`.
 A real device may override any client-side key in its node config (`flower-supernode --node-config
 "max-chunks-per-client=512 ..."`); its privacy settings are a floor the run cannot lower
-(client.privacy.DeviceFloor).
+(client.training.floor.DeviceFloor).
 """
 
 from __future__ import annotations

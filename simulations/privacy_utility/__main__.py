@@ -11,14 +11,14 @@ The scenario (simulations/scenarios/privacy-utility.toml describes the same sett
 * private data: the sources of third-party packages installed in this environment (site-packages),
   copied once into `$FEDLA_HOME/privacy_utility/`, split *by package* across clients with the
   product's `package` partitioning (non-IID: each client writes in its packages' own style). Each
-  client keeps `local-heldout-fraction` of its chunks out of training (client/task.py); that held-out
+  client keeps `local-heldout-fraction` of its chunks out of training (client/local_data.py); that held-out
   part is halved: a validation half (used only to choose among the DP tricks) and a test half (every
   number in the JSON).
 
 Every federated configuration runs the product's own code path: the real ServerApp loop
 (`server.federation.run_federation`: Flower's SecAgg+ workflow, the guard, the server optimiser) over
 `simulations.inprocess.InProcessGrid` with the real ClientApp (`client.client_app.app`: Opacus DP-SGD with
-the accountant composed over all rounds, `client/privacy.py`). Only the heads' evaluation is local to
+the accountant composed over all rounds, `client/training/`). Only the heads' evaluation is local to
 this package. Configurations:
 
 * ``public_only``: the public heads, untouched;

@@ -40,8 +40,8 @@ def ensure_public_heads(path: Path | None, base, scale: Scale, cache: Path) -> P
 
 def central_finetune(public_dir: Path, base, splits: list[ClientSplit], run_config: dict):
     """Non-private central fine-tuning on the pooled training chunks: the clients' own optimiser and
-    batch (client.privacy.train_round with dp=false), one pass per federated round."""
-    from client.privacy import train_round
+    batch (client.training.local_round.train_round with dp=false), one pass per federated round."""
+    from client.training.local_round import train_round
     from common.data.features import Features
     from common.federation.config import FedConfig
     from common.heads.lookahead import DraftHeads

@@ -61,7 +61,7 @@ class ClientSplit:
 
 def client_splits(run_config: dict, base, clients: int) -> list[ClientSplit]:
     """Each client's train chunks and held-out chunks (as the ClientApp sees them), with base features."""
-    from client.task import client_data, client_features
+    from client.local_data import client_data, client_features
     from common.federation.config import FedConfig
 
     config = FedConfig.from_mapping(run_config)

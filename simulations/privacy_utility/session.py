@@ -44,7 +44,7 @@ def log(message: str) -> None:
 class Session:
     scale: Scale
     base: object  # the base loaded here: every run's final heads are loaded against it
-    client_base: object  # the instance the ClientApps use (client.task.cached_base)
+    client_base: object  # the instance the ClientApps use (client.base_cache.cached_base)
     public_dir: Path
     splits: list[ClientSplit]
     run_config: dict
@@ -79,7 +79,7 @@ class Session:
         timings: dict[str, float] = {}
 
         t = time.perf_counter()
-        from client.task import cached_base
+        from client.base_cache import cached_base
         from common.federation.config import FedConfig
 
         client_base = cached_base(FedConfig.from_mapping(run_config))  # the instance the ClientApps will use

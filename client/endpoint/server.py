@@ -1,0 +1,102 @@
+"""Serving the endpoint app with uvicorn on loopback: in a background thread, or in the foreground."""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from client.endpoint.api import create_endpoint_app
+from client.endpoint.defaults import DEFAULT_MAX_QUEUE, DEFAULT_PORT
+from common.errors import FedLookaheadError
+from common.model.base import Loading
+
+
+def check_loopback(host: str) -> None:
+    """Refuse any address other apps on the network could reach: the endpoint is for this device only."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise FedLookaheadError(f"the generation endpoint listens on loopback only (127.0.0.1 or ::1), not {host!r}")
+
+
+class EndpointServer:
+    """uvicorn serving an endpoint app in a background thread (for the daemon and tests)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        check_loopback(host)
+        self.app, self.host = app, host
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="fedla-endpoint-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> EndpointServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise FedLookaheadError(
+                    f"the generation endpoint could not listen on {self.host}:{self.server.config.port} (port in use?)"
+                )
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when asked for port 0)."""
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.app.state.endpoint.close()
+
+
+def start_endpoint(
+    base_dir: Path,
+    heads_dir: Path | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    loading: Loading = Loading(),
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> EndpointServer:
+    """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
+    check_loopback(host)
+    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
+    return EndpointServer(app, host, port).start()
+
+
+def serve_endpoint(
+    base_dir: Path,
+    heads_dir: Path | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    loading: Loading = Loading(),
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> None:
+    """Serve in the foreground until interrupted (a standalone command)."""
+    check_loopback(host)
+    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"fedla serve: http://{shown}:{port}/v1 ({app.state.endpoint.describe()}); Ctrl-C stops", flush=True)
+    try:
+        uvicorn.run(
+            app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5
+        )
+    finally:
+        app.state.endpoint.close()
