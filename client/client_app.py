@@ -39,7 +39,16 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggS
 from client import secagg
 from client import state as device_state
 from common.federation import protocol as P
-from common.federation.protocol import FAIL_KEY, HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, RUN_KEY
+from common.federation.protocol import (
+    FAIL_KEY,
+    HEADS_CONFIG_RECORD,
+    HEADS_RECORD,
+    MEASURE_TAU,
+    ROUND_KEY,
+    RUN_KEY,
+    EvalReply,
+    TrainReply,
+)
 
 # torch, transformers, Opacus and datasets are imported inside the handlers, not here: a deployed
 # SuperNode starts one ClientApp process per message, and the SecAgg+ key-exchange and unmasking
@@ -175,28 +184,27 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     reason = validate_update(sent, expected_shapes(heads), bound)
     if reason:  # never send something the secure sum would silently clip or that would poison it
         raise FedLookaheadError(f"refusing to send a malformed update: {reason}")
-    metrics = {
-        P.SKIPPED: int(bool(result.skipped)),
-        P.SKIP_REASON: result.skipped,
-        P.EPSILON: float(result.epsilon),
-        P.DELTA: float(result.delta),
-        P.DP: int(config.dp),
-        P.Q: float(result.q),
-        P.NO_AMPLIFICATION: int(config.dp and result.q >= 1.0),  # q = 1: every step sees all data
-        P.NOISE_MULTIPLIER: float(result.noise_multiplier),
-        P.STEPS: int(result.steps),
-        P.NUM_TRAIN_CHUNKS: int(len(data.train)),
-        P.TRAIN_SECONDS: float(result.seconds),
-    }
-    if result.metrics is not None:
-        summary = result.metrics.summary()
-        metrics[P.LOSS] = float(summary["loss"])
-        for k, acc in enumerate(summary["head_accuracy"], start=1):
-            metrics[f"{P.ACC_PREFIX}{k}"] = float(acc)
     # capped as the server caps it (under SecAgg+: weight / max_weight <= 1, and a larger claim is refused)
     weight = 0 if result.skipped else min(len(data.train), config.weight_cap)
     if user_level:  # every client weighs the same: one client moves the mean by at most clip / n
         weight = config.weight_cap
+    summary = result.metrics.summary() if result.metrics is not None else None
+    metrics = TrainReply(
+        num_examples=weight,
+        skipped=bool(result.skipped),
+        skip_reason=result.skipped,
+        epsilon=float(result.epsilon),
+        delta=float(result.delta),
+        dp=config.dp,
+        q=float(result.q),
+        no_amplification=config.dp and result.q >= 1.0,  # q = 1: every step sees all data
+        noise_multiplier=float(result.noise_multiplier),
+        steps=int(result.steps),
+        num_train_chunks=len(data.train),
+        train_seconds=float(result.seconds),
+        loss=None if summary is None else float(summary["loss"]),
+        head_accuracy=() if summary is None else tuple(float(a) for a in summary["head_accuracy"]),
+    ).to_metrics()
     device_state.train_finished(context, fit_config, metrics, weight)  # the whole story stays on the device
     if floor is not None:
         metrics = {key: metrics[key] for key in DEVICE_TRAIN_METRICS}
@@ -227,28 +235,23 @@ def evaluate(msg: Message, context: Context) -> Message:
     device_state.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
     data = client_data(config, base, dict(context.node_config))
     started = time.perf_counter()
-    metrics: dict = {P.NUM_EXAMPLES: int(len(data.heldout))}
+    summary, tau = None, None
     if len(data.heldout):
         summary = evaluate_heads(
             heads, client_features(config, base, data.heldout, dict(context.node_config)), batch_size=config.batch_size
         )
-        metrics["loss"] = float(summary["loss"])
-        metrics["head-accuracy"] = [float(a) for a in summary["head_accuracy"]]
-        measure = bool(msg.content[HEADS_CONFIG_RECORD].get(MEASURE_TAU, True))
-        tau = (
-            decode_tau(
-                base,
-                heads,
-                chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len),
-                config.eval_max_new_tokens,
-            )
-            if measure
-            else None
-        )
-        if tau is not None:
-            metrics["tau"] = tau
-    metrics["eval-seconds"] = time.perf_counter() - started
+        if bool(msg.content[HEADS_CONFIG_RECORD].get(MEASURE_TAU, True)):
+            prompts = chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len)
+            tau = decode_tau(base, heads, prompts, config.eval_max_new_tokens)
+    measured = EvalReply(
+        num_examples=len(data.heldout),
+        loss=None if summary is None else float(summary["loss"]),
+        head_accuracy=() if summary is None else tuple(float(a) for a in summary["head_accuracy"]),
+        tau=tau,
+        eval_seconds=time.perf_counter() - started,
+    )
+    metrics = measured.to_metrics()
     device_state.evaluated(context, msg.content[HEADS_CONFIG_RECORD], metrics)
     if device_state.state_dir_of(context.node_config) is not None:  # a device: measured for its own log only
-        metrics = {P.NUM_EXAMPLES: 0, P.WITHHELD: 1}
+        metrics = EvalReply(num_examples=0, withheld=True).to_metrics()
     return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)

@@ -304,6 +304,9 @@ class EvalReply:
         return cls.from_metrics(dict(metrics), num_heads)
 
     def to_metrics(self) -> dict[str, Any]:
+        """The evaluate reply's MetricRecord a client sends; a withheld reply carries nothing measured."""
+        if self.withheld:
+            return {NUM_EXAMPLES: 0, WITHHELD: 1}
         out: dict[str, Any] = {NUM_EXAMPLES: int(self.num_examples), EVAL_SECONDS: float(self.eval_seconds)}
         if self.loss is not None:
             out[LOSS] = float(self.loss)
