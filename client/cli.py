@@ -133,8 +133,9 @@ def client_serve_cmd(
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
     from client.endpoint.server import serve_endpoint
-    from client.state import StateDir, default_state_dir
+    from client.state import StateDir
     from common.model.default import resolve_base
+    from common.paths import default_state_dir
 
     try:
         serve_endpoint(
@@ -170,8 +171,8 @@ def status_cmd(
     Exit 1 when the privacy ledger cannot be trusted (the device does not train until it is reset)."""
     import json
 
-    from client.state import default_state_dir
     from client.status import device_status, format_status
+    from common.paths import default_state_dir
 
     try:
         status = device_status(state_dir or default_state_dir())
@@ -188,8 +189,8 @@ def forget_cmd(
 ) -> None:
     """Delete this device's private text caches (<state>/chunks, <state>/features); the privacy ledger
     and the global heads stay. Stop `fedla client` first."""
-    from client.state import default_state_dir
     from client.status import forget
+    from common.paths import default_state_dir
 
     try:
         typer.echo(forget(state_dir or default_state_dir(), yes=yes))

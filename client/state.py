@@ -22,7 +22,7 @@ once by `StateDir` below:
 `fedla client status` reads this folder (client.status); `fedla client forget` deletes chunks/ and
 features/ but never the ledger and its marker.
 
-When node config `heads-dir` is set (the daemon sets it to `common.decoding.default_heads_dir()`,
+When node config `heads-dir` is set (the daemon sets it to `common.paths.default_heads_dir()`,
 i.e. $FEDLA_HEADS or <cache>/heads/latest, unless told otherwise), the newest heads are also
 published there, so `fedla generate` on the device uses them by default.
 
@@ -48,6 +48,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from client.node_config import HEADS_DIR_KEY, STATE_DIR_KEY
 from common.federation.protocol import ROUND_KEY, RUN_KEY, VERSION
+from common.paths import LATEST_HEADS
 
 log = logging.getLogger("fedla.client")
 
@@ -64,7 +65,6 @@ class StateDir:
     LEDGER: ClassVar[str] = "privacy-ledger.json"
     TRAINED_MARKER: ClassVar[str] = "trained-once"
     HEADS: ClassVar[str] = "heads"
-    LATEST: ClassVar[str] = "latest"  # heads/latest
     EVENTS: ClassVar[str] = "events.jsonl"
     CHUNKS: ClassVar[str] = "chunks"
     FEATURES: ClassVar[str] = "features"
@@ -90,7 +90,7 @@ class StateDir:
 
     @property
     def latest_heads(self) -> Path:
-        return self.heads / self.LATEST
+        return self.root / LATEST_HEADS
 
     @property
     def events(self) -> Path:
@@ -154,12 +154,6 @@ def state_lock(state: Path, name: str, wait_seconds: float = 0.0) -> Iterator[No
         yield
     finally:
         handle.close()  # closing the descriptor releases the lock
-
-
-def default_state_dir() -> Path:
-    from common.paths import cache_root
-
-    return cache_root() / "client"
 
 
 def state_dir_of(node_config: Mapping[str, Any]) -> Path | None:

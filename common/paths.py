@@ -14,3 +14,17 @@ def cache_root() -> Path:
 def calibration_dir() -> Path:
     """What is measured once per machine: cost curves, int8 calibrations, the int8 kernel choice."""
     return cache_root() / "calibration"
+
+
+# A heads folder keeps its newest heads under heads/latest: the daemon publishes there, `fedla generate` reads there.
+LATEST_HEADS = Path("heads") / "latest"
+
+
+def default_heads_dir() -> Path:
+    """Where `fedla generate` looks for heads by default: $FEDLA_HEADS, else <cache>/heads/latest."""
+    return Path(os.environ.get("FEDLA_HEADS", cache_root() / LATEST_HEADS)).expanduser()
+
+
+def default_state_dir() -> Path:
+    """The device daemon's state folder when none is given: <cache>/client."""
+    return cache_root() / "client"

@@ -50,9 +50,10 @@ from client.node_config import (
     MAX_DELTA_KEY,
     write_node_config,
 )
-from client.state import StateDir, StateLocked, default_state_dir, state_lock
+from client.state import StateDir, StateLocked, state_lock
 from common.errors import FedLookaheadError
 from common.model.base import Loading
+from common.paths import default_state_dir
 from common.procs import flower_env, free_port
 
 __all__ = [

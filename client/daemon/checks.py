@@ -11,9 +11,9 @@ from pathlib import Path
 
 from client.daemon.options import DaemonError, DaemonOptions, floor_values, parse_node_config
 from client.node_config import STATE_DIR_KEY
-from client.state import default_state_dir
 from common.errors import FedLookaheadError
 from common.model.base import resolve_device
+from common.paths import default_state_dir
 
 
 def parse_address(address: str) -> tuple[str, int]:

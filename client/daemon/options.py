@@ -52,7 +52,7 @@ class DaemonOptions:
     root_certificates: Optional[Path] = None
     auth_key: Optional[Path] = None
     state_dir: Optional[Path] = None
-    heads_dir: Optional[Path] = None  # None: common.decoding.default_heads_dir()
+    heads_dir: Optional[Path] = None  # None: common.paths.default_heads_dir()
     publish_heads: bool = True
     insecure: bool = False
     max_retries: int = 10  # flower-supernode's own reconnection tries per start
@@ -105,7 +105,7 @@ def node_config_values(opts: DaemonOptions, state_dir: Path, base_dir: Path | No
     }
     if opts.publish_heads:
         if opts.heads_dir is None:
-            from common.decoding import default_heads_dir
+            from common.paths import default_heads_dir
 
             values[HEADS_DIR_KEY] = str(default_heads_dir().resolve())
         else:

@@ -16,7 +16,6 @@ Missing heads, or heads trained for another base, fall back to "greedy" with a w
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -40,6 +39,7 @@ from common.errors import FedLookaheadError
 from common.heads.lookahead import DraftHeads
 from common.model.attention import EXACT_ATTENTION, GQA_ATTENTION
 from common.model.base import BaseModel
+from common.paths import default_heads_dir
 
 MODES = ("ams", "greedy", "beam", "fused")
 # attention implementations that accept the tree's 4D additive mask
@@ -54,7 +54,6 @@ __all__ = [
     "GenerationResult",
     "HeadsTreeDrafter",
     "NgramIndex",
-    "default_heads_dir",
     "generate",
     "load_heads",
     "sampling_probs",
@@ -63,13 +62,6 @@ __all__ = [
 
 class DecodingFallbackWarning(UserWarning):
     """AMS-LD or fused decoding could not run as asked and plain decoding was used instead."""
-
-
-def default_heads_dir() -> Path:
-    """Where `fedla generate` looks for heads by default: $FEDLA_HEADS, else <cache>/heads/latest."""
-    from common.paths import cache_root
-
-    return Path(os.environ.get("FEDLA_HEADS", cache_root() / "heads" / "latest")).expanduser()
 
 
 def load_heads(directory: str | Path | None, base: BaseModel) -> DraftHeads | None:
