@@ -77,6 +77,7 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
     from client.client_app import app as client_app
     from common.federation.config import FedConfig
     from server.federation import run_federation
+    from server.run.folder import RunFolder
     from simulations.inprocess import InProcessGrid
 
     with tempfile.TemporaryDirectory(prefix="fedla-bench-") as tmp:
@@ -100,8 +101,8 @@ def federated_round(config_overrides: dict, clients: int, secagg: bool) -> dict:
         cpu = time.process_time()
         run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
         cpu = time.process_time() - cpu
-        record = json.loads((run_dir / "rounds" / "round-1.json").read_text())
-        run_info = json.loads((run_dir / "run.json").read_text())
+        record = json.loads(RunFolder(run_dir).round_file(1).read_text())
+        run_info = json.loads(RunFolder(run_dir).run_file.read_text())
     return {
         "fit_seconds": record["seconds"]["fit"],
         "round_seconds": record["wall_seconds"],

@@ -33,6 +33,7 @@ from common.heads.lookahead import DraftHeads
 from common.model.base import load_base, prompt_ids
 from common.model.default import ensure_default_base
 from common.training.public_heads import ensure_public_heads
+from server.run.folder import RunFolder
 from simulations import run as scenario_runner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         runner_args += ["--rounds", str(args.rounds)]
     if scenario_runner.main(runner_args) != 0:
-        print(f"error: the federated run failed; see {run_dir / 'flwr.log'}", file=sys.stderr)
+        print(f"error: the federated run failed; see {RunFolder(run_dir).log}", file=sys.stderr)
         return 1
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunFolder(run_dir).summary.read_text())
     checkpoint = Path(summary["checkpoints"][-1]["path"])
     heads = DraftHeads.load(checkpoint, base)
     print(f"global heads v{heads.config.version} from {checkpoint}")

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.federation.config import DEFAULTS
+from server.run.folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     run_root = Path(args.run_dir).resolve()
     run_dir = run_root / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(run_dir)
     run_config.update({"run-id": run_id, "run-dir": str(run_root)})
     run_config.setdefault("client-state-dir", str(run_dir / "client-state"))
     print(f"scenario {args.scenario}: {scenario.get('description', '')}\nrun {run_id} -> {run_dir}", flush=True)
@@ -127,16 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         from server.superlink import SuperLink
 
         with SuperLink.for_simulation(log_dir=run_dir, cwd=REPO) as link:
-            code, _ = link.submit(
-                REPO, run_config, federation, log_path=run_dir / "flwr.log", timeout=args.timeout, echo=False
-            )
+            code, _ = link.submit(REPO, run_config, federation, log_path=folder.log, timeout=args.timeout, echo=False)
     seconds = time.perf_counter() - started
-    summary_file = run_dir / "summary.json"
+    summary_file = folder.summary
     if not summary_file.is_file():
-        print(f"error: no summary written (exit code {code}); see {run_dir / 'flwr.log'}", file=sys.stderr)
+        print(f"error: no summary written (exit code {code}); see {folder.log}", file=sys.stderr)
         return 1
     summary = json.loads(summary_file.read_text())
-    if not (run_dir / "plot.png").is_file():
+    if not folder.plot.is_file():
         from server.run.plot import plot_run
 
         plot_run(run_dir)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print_table(summary)
-    print(f"\nwall time {seconds:.0f}s; summary {summary_file}; plot {run_dir / 'plot.png'}")
+    print(f"\nwall time {seconds:.0f}s; summary {summary_file}; plot {folder.plot}")
     return 0 if code == 0 and summary["run"]["status"] == "finished" else 1
 
 

@@ -18,6 +18,7 @@ from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import RDPAccountant
 
 from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
@@ -134,6 +135,8 @@ def test_the_teacher_forced_chain_estimate_counts_leading_hits(tiny_base):
 
 
 def train_message(global_arrays: list[np.ndarray], config: dict) -> Message:
+    # A Message takes its sender's identity from the process; Flower's runtime (or the in-process grid) sets it.
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
     content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(global_arrays), config), keep_input=True)
     return Message(content, dst_node_id=1, message_type=MessageType.TRAIN, group_id="1")
 

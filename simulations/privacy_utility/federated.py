@@ -15,17 +15,19 @@ def federate(run_config: dict, clients: int, name: str) -> tuple[Path, dict]:
     from client.client_app import app
     from common.federation.config import FedConfig
     from server.federation import run_federation
+    from server.run.folder import RunFolder
     from simulations.inprocess import InProcessGrid
 
     config = dict(run_config, **{"run-id": f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"})
     grid = InProcessGrid(app, clients, config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     run_dir = run_federation(grid, context, FedConfig.from_mapping(config))
+    folder = RunFolder(run_dir)
     rounds = [
         json.loads(p.read_text())
-        for p in sorted((run_dir / "rounds").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+        for p in sorted(folder.rounds_dir.glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     ]
-    plan = json.loads((run_dir / "run.json").read_text())["plan"]
+    plan = json.loads(folder.run_file.read_text())["plan"]
     last = rounds[-1]
     privacy = {
         "epsilon_max": last["privacy"]["epsilon_max"],
