@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from client.endpoint.errors import one_line
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper
-from common.errors import FedLookaheadError
+from common.errors import FedLookaheadError, first_line
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel, check_text
 
@@ -96,7 +95,7 @@ def prompt_token_ids(base: BaseModel, prompt: Prompt) -> list[int]:
     try:
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # jinja2 raises its own errors (e.g. a role the template refuses)
-        raise FedLookaheadError(f"the chat template refused these messages: {one_line(str(exc))}") from exc
+        raise FedLookaheadError(f"the chat template refused these messages: {first_line(exc)}") from exc
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -1,4 +1,4 @@
-"""The endpoint's two 503 errors and its one-line message helper."""
+"""The endpoint's two 503 errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,3 @@ class BaseUnavailable(FedLookaheadError):
 
 class QueueFull(FedLookaheadError):
     """More than max_queue requests are waiting or running: this one is answered 503."""
-
-
-def one_line(text: str) -> str:
-    lines = str(text).strip().splitlines()
-    return lines[0] if lines else "unknown error"

@@ -7,9 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.endpoint.errors import one_line
 from client.state import read_heads_meta
-from common.errors import FedLookaheadError
+from common.errors import FedLookaheadError, first_line
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from common.model.base import BaseModel
 
@@ -66,7 +65,7 @@ class HeadsHolder:
         try:
             heads = DraftHeads.load(self.directory, base).eval()
         except FedLookaheadError as exc:
-            log.warning("new heads in %s not used: %s", self.directory, one_line(str(exc)))
+            log.warning("new heads in %s not used: %s", self.directory, first_line(exc))
             return self._snapshot
         meta = read_heads_meta(self.directory) or {}
         version = int(meta.get("version", heads.config.version))

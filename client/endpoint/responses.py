@@ -9,14 +9,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from client.endpoint.completion import TokenLogprob
-from client.endpoint.errors import BaseUnavailable, QueueFull, one_line
-from common.errors import FedLookaheadError
+from client.endpoint.errors import BaseUnavailable, QueueFull
+from common.errors import FedLookaheadError, first_line
 
 log = logging.getLogger("fedla.endpoint")
 
 
 def error_response(status: int, message: str, kind: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": one_line(message), "type": kind, "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": first_line(message), "type": kind, "code": code}}, status_code=status)
 
 
 def exception_response(exc: BaseException) -> JSONResponse:
@@ -28,7 +28,7 @@ def exception_response(exc: BaseException) -> JSONResponse:
         return error_response(400, str(exc), "invalid_request_error", "invalid_value")
     log.error("endpoint: generation failed", exc_info=exc)
     return error_response(
-        500, f"generation failed: {type(exc).__name__}: {one_line(str(exc))}", "server_error", "internal"
+        500, f"generation failed: {type(exc).__name__}: {first_line(exc)}", "server_error", "internal"
     )
 
 

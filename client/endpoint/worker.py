@@ -21,12 +21,12 @@ from client.endpoint.completion import (
     prompt_token_ids,
 )
 from client.endpoint.defaults import DEFAULT_MAX_QUEUE
-from client.endpoint.errors import BaseUnavailable, QueueFull, one_line
+from client.endpoint.errors import BaseUnavailable, QueueFull
 from client.endpoint.heads import HeadsHolder
 from common.decoding import AmsPolicy
 from common.decoding.core import check_prompt, check_sampling
 from common.decoding.streaming import StreamingStopper, TextStream, cut_at_stop
-from common.errors import FedLookaheadError
+from common.errors import FedLookaheadError, first_line
 from common.model.base import BaseModel, Loading
 
 log = logging.getLogger("fedla.endpoint")
@@ -72,7 +72,7 @@ class Endpoint:
             try:
                 self.base = self.loading.load(self.base_dir)
             except FedLookaheadError as exc:
-                raise BaseUnavailable(f"base model unavailable: {one_line(str(exc))}") from exc
+                raise BaseUnavailable(f"base model unavailable: {first_line(exc)}") from exc
             self.heads.refresh(self.base)
         return self.base
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 # ------------------------------------------------------------------------------------------ keys
 
@@ -79,11 +79,13 @@ class ReplyError(ValueError):
 # ------------------------------------------------------------------------------------ value checks
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
+    """Refuse a value: a ReplyError whose message is one line, whatever the value held."""
     raise ReplyError(" ".join(str(message).split()))
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut to 40 characters."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -99,31 +101,31 @@ def number(
 ) -> float:
     """A finite real number (not a bool) within [lo, hi]; +inf only with `allow_inf`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(f"{name} must be a number, got {type(value).__name__} {_show(value)}")
+        fail(f"{name} must be a number, got {type(value).__name__} {show(value)}")
     value = float(value)
     if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
-        _fail(f"non-finite {name}={value}")
+        fail(f"non-finite {name}={value}")
     if lo is not None and value < lo:
-        _fail(f"out-of-range {name}={value:g}: below {lo:g}")
+        fail(f"out-of-range {name}={value:g}: below {lo:g}")
     if hi is not None and (value >= hi if hi_open else value > hi):
-        _fail(f"out-of-range {name}={value:g}: above {hi:g}")
+        fail(f"out-of-range {name}={value:g}: above {hi:g}")
     return value
 
 
 def integer(value: Any, name: str, *, lo: int = 0) -> int:
     """An integer (an int, or a float with an integral finite value; never a bool) >= lo."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(f"{name} must be an integer, got {type(value).__name__} {_show(value)}")
+        fail(f"{name} must be an integer, got {type(value).__name__} {show(value)}")
     if isinstance(value, numbers.Integral):
         result = int(value)
     else:
         if not math.isfinite(float(value)):
-            _fail(f"non-finite {name}={float(value)}")
+            fail(f"non-finite {name}={float(value)}")
         if not float(value).is_integer():
-            _fail(f"{name} must be an integer, got {float(value)}")
+            fail(f"{name} must be an integer, got {float(value)}")
         result = int(value)
     if result < lo:
-        _fail(f"out-of-range {name}={result}: below {lo}")
+        fail(f"out-of-range {name}={result}: below {lo}")
     return result
 
 
@@ -133,18 +135,18 @@ def flag(value: Any, name: str) -> bool:
         return value
     if isinstance(value, numbers.Integral) and int(value) in (0, 1):
         return bool(value)
-    _fail(f"{name} must be 0 or 1, got {type(value).__name__} {_show(value)}")
+    fail(f"{name} must be 0 or 1, got {type(value).__name__} {show(value)}")
 
 
 def text(value: Any, name: str) -> str:
     if not isinstance(value, str):
-        _fail(f"{name} must be a string, got {type(value).__name__}")
+        fail(f"{name} must be a string, got {type(value).__name__}")
     return " ".join(value.split())[:MAX_REASON]
 
 
 def _mapping(value: Any, name: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        _fail(f"{name} is missing or not a record")
+        fail(f"{name} is missing or not a record")
     return value
 
 
@@ -183,17 +185,17 @@ class TrainReply:
         accuracies: dict[int, float] = {}
         for key, value in metrics.items():
             if not isinstance(key, str):
-                _fail(f"metric key {_show(key)} is not a string")
+                fail(f"metric key {show(key)} is not a string")
             if key.startswith(ACC_PREFIX):
                 suffix = key[len(ACC_PREFIX) :]
                 if not suffix.isdigit() or int(suffix) < 1 or (num_heads is not None and int(suffix) > num_heads):
-                    _fail(f"unknown metric {key}" + (f" for {num_heads} heads" if num_heads is not None else ""))
+                    fail(f"unknown metric {key}" + (f" for {num_heads} heads" if num_heads is not None else ""))
                 accuracies[int(suffix)] = number(value, key, hi=1.0)
         loss = None if metrics.get(LOSS) is None else number(metrics[LOSS], LOSS)
         if accuracies and sorted(accuracies) != list(range(1, len(accuracies) + 1)):
-            _fail(f"head accuracies {sorted(accuracies)} are not acc-1..acc-{len(accuracies)}")
+            fail(f"head accuracies {sorted(accuracies)} are not acc-1..acc-{len(accuracies)}")
         if num_heads is not None and loss is not None and accuracies and len(accuracies) != num_heads:
-            _fail(f"{len(accuracies)} head accuracies for {num_heads} heads")
+            fail(f"{len(accuracies)} head accuracies for {num_heads} heads")
         reply = cls(
             num_examples=weight,
             skipped=skipped,
@@ -211,9 +213,9 @@ class TrainReply:
             head_accuracy=tuple(accuracies[k] for k in sorted(accuracies)),
         )
         if reply.skipped and reply.num_examples:
-            _fail(f"a skipped client claims weight {reply.num_examples}")
+            fail(f"a skipped client claims weight {reply.num_examples}")
         if not reply.skipped and reply.num_examples == 0:
-            _fail("weight 0 without skipped=1")
+            fail("weight 0 without skipped=1")
         return reply
 
     @classmethod
@@ -222,11 +224,11 @@ class TrainReply:
         try:
             count = content.metric_records[FITRES_NUM_EXAMPLES]["num_examples"]
         except (KeyError, TypeError, AttributeError):
-            _fail("reply has no num_examples")
+            fail("reply has no num_examples")
         try:
             metrics = content.config_records[FITRES_METRICS]
         except (KeyError, TypeError, AttributeError):
-            _fail("reply has no metrics")
+            fail("reply has no metrics")
         return cls.from_metrics(count, dict(metrics), num_heads)
 
     def to_metrics(self) -> dict[str, Any]:
@@ -269,21 +271,21 @@ class EvalReply:
     def from_metrics(cls, metrics: Mapping[str, Any], num_heads: int | None = None) -> EvalReply:
         metrics = _mapping(metrics, "evaluation metrics")
         if NUM_EXAMPLES not in metrics:
-            _fail(f"evaluation reply has no {NUM_EXAMPLES}")
+            fail(f"evaluation reply has no {NUM_EXAMPLES}")
         count = integer(metrics[NUM_EXAMPLES], NUM_EXAMPLES)
         withheld = flag(metrics.get(WITHHELD, 0), WITHHELD)
         if withheld and (count or set(metrics) - {NUM_EXAMPLES, WITHHELD}):
-            _fail("a withheld evaluation reply carries measurements")
+            fail("a withheld evaluation reply carries measurements")
         raw = metrics.get(HEAD_ACCURACY)
         accuracy: tuple[float, ...] = ()
         if raw is not None:
             if not isinstance(raw, (list, tuple)):
-                _fail(f"{HEAD_ACCURACY} must be a list of numbers, got {type(raw).__name__} {_show(raw)}")
+                fail(f"{HEAD_ACCURACY} must be a list of numbers, got {type(raw).__name__} {show(raw)}")
             accuracy = tuple(number(a, f"{HEAD_ACCURACY}[{i}]", hi=1.0) for i, a in enumerate(raw))
             if num_heads is not None and len(accuracy) != num_heads:
-                _fail(f"{len(accuracy)} head accuracies for {num_heads} heads")
+                fail(f"{len(accuracy)} head accuracies for {num_heads} heads")
         if count and not accuracy:
-            _fail(f"{count} evaluation examples but no {HEAD_ACCURACY}")
+            fail(f"{count} evaluation examples but no {HEAD_ACCURACY}")
         loss = None if metrics.get(LOSS) is None else number(metrics[LOSS], LOSS)
         tau = None if metrics.get(TAU) is None else number(metrics[TAU], TAU)
         return cls(
@@ -300,7 +302,7 @@ class EvalReply:
         try:
             metrics = content.metric_records[EVAL_METRICS_RECORD]
         except (KeyError, TypeError, AttributeError):
-            _fail(f"evaluation reply has no {EVAL_METRICS_RECORD!r} record")
+            fail(f"evaluation reply has no {EVAL_METRICS_RECORD!r} record")
         return cls.from_metrics(dict(metrics), num_heads)
 
     def to_metrics(self) -> dict[str, Any]:

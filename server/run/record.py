@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from common.federation.protocol import _fail, _show, finite_or_none, integer, number
+from common.federation.protocol import fail, finite_or_none, integer, number, show
 
 
 def _accuracies(values: Any, name: str) -> tuple[float, ...]:
     if not isinstance(values, (list, tuple)):
-        _fail(f"{name} must be a list of numbers, got {type(values).__name__} {_show(values)}")
+        fail(f"{name} must be a list of numbers, got {type(values).__name__} {show(values)}")
     return tuple(number(a, f"{name}[{i}]", hi=1.0) for i, a in enumerate(values))
 
 
@@ -75,7 +75,7 @@ class RoundRecord:
             if getattr(self, name) is not None:
                 put(name, _accuracies(getattr(self, name), name))
         if self.head_accuracy is None:
-            _fail("head_accuracy must be a list of numbers, got None")
+            fail("head_accuracy must be a list of numbers, got None")
         for name in (
             "tau",
             "client_tau",
@@ -101,10 +101,10 @@ class RoundRecord:
         ):
             put(name, integer(getattr(self, name), name))
         if self.succeeded > self.sampled or self.dropped > self.sampled:
-            _fail(f"succeeded ({self.succeeded}) and dropped ({self.dropped}) cannot exceed sampled ({self.sampled})")
+            fail(f"succeeded ({self.succeeded}) and dropped ({self.dropped}) cannot exceed sampled ({self.sampled})")
         for i, item in enumerate(self.rejected):
             if not isinstance(item, Mapping) or not isinstance(item.get("reason"), str) or not item["reason"].strip():
-                _fail(f"rejected[{i}] must be {{'reason': a non-empty string}}, got {_show(item)}")
+                fail(f"rejected[{i}] must be {{'reason': a non-empty string}}, got {show(item)}")
         put("epsilon_max", number(self.epsilon_max, "epsilon_max", allow_inf=True))
         put("epsilon_mean", number(self.epsilon_mean, "epsilon_mean", allow_inf=True))
         put("delta", number(self.delta, "delta", hi=1.0))
@@ -185,7 +185,7 @@ class RoundRecord:
                 update_norm=dict(data.get("update_norm", {})),
             )
         except (KeyError, TypeError, AttributeError) as exc:
-            _fail(f"not a round record ({type(exc).__name__}: {exc})")
+            fail(f"not a round record ({type(exc).__name__}: {exc})")
 
     def to_json(self) -> dict[str, Any]:
         """The rounds/round-N.json layout (strict JSON: an unbounded epsilon is null)."""

@@ -15,6 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from common.errors import first_line
 from common.federation.config import DEFAULTS
 from server.store.migrations import ensure_schema
 from server.store.schema import SCHEMA_VERSION, SchemaVersion
@@ -60,8 +61,7 @@ class StoreUnavailable(ValueError):
 def one_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of a database error, without SQLAlchemy's statement and background link."""
     orig = getattr(exc, "orig", None)
-    text = str(orig if orig is not None else exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:limit]
+    return first_line(orig if orig is not None else exc)[:limit]
 
 
 def _sqlite_file(parsed: URL) -> Path | None:
