@@ -59,7 +59,7 @@ def test_weights_with_wrong_names_or_shapes(saved, tiny_base):
         (lambda c: json.dumps(dict(c, draft_vocab=[1, 1])), "draft_vocab needs distinct ids"),
         (lambda c: json.dumps(dict(c, draft_vocab=[10**9])), "draft_vocab needs distinct ids"),
         (lambda c: json.dumps(dict(c, surprise=1)), "unknown \\['surprise'\\]"),
-        (lambda c: json.dumps(dict(c, hidden_size=10**6)), "geometry does not fit"),
+        (lambda c: json.dumps(dict(c, hidden_size=10**6)), "which does not fit base"),
     ],
 )
 def test_bad_config_is_one_line_and_fast(saved, tiny_base, edit, message):

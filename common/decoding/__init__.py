@@ -36,7 +36,7 @@ from common.decoding.core import (
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
 from common.errors import FedLookaheadError
-from common.heads.lookahead import DraftHeads
+from common.heads.lookahead import DraftHeads, base_mismatch
 from common.model.attention import EXACT_ATTENTION, GQA_ATTENTION
 from common.model.base import BaseModel
 from common.paths import default_heads_dir
@@ -84,16 +84,9 @@ def _usable_heads(heads: DraftHeads | None, base: BaseModel, mode: str) -> Draft
         )
         return None
     config = heads.config
-    if config.base_fingerprint != base.fingerprint or (config.hidden_size, config.vocab_size) != (
-        base.hidden_size,
-        base.vocab_size,
-    ):
-        warnings.warn(
-            f"heads were trained for base {config.base_fingerprint}, not {base.path} ({base.fingerprint}); "
-            "using greedy decoding",
-            DecodingFallbackWarning,
-            stacklevel=3,
-        )
+    reason = base_mismatch(config.base_fingerprint, config.hidden_size, config.vocab_size, base)
+    if reason:
+        warnings.warn(f"heads were {reason}; using greedy decoding", DecodingFallbackWarning, stacklevel=3)
         return None
     if heads.base_lm_head is not base.model.get_output_embeddings():  # same checkpoint, another loaded instance
         rebound = DraftHeads(config, base)

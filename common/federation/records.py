@@ -38,7 +38,7 @@ from common.federation.protocol import (  # noqa: F401 - HEADS_*: re-exported
     ReplyError,
     TrainReply,
 )
-from common.heads.lookahead import DraftHeads, HeadsConfig
+from common.heads.lookahead import DraftHeads, HeadsConfig, base_mismatch
 from common.model.base import BaseModel
 
 
@@ -93,16 +93,10 @@ def heads_records(heads: DraftHeads, **extra: Any) -> tuple[ArrayRecord, ConfigR
 
 def check_base(config: Mapping[str, Any], base: BaseModel) -> None:
     """Refuse heads made for another base model, with a one-line error naming both."""
-    theirs = config.get(FINGERPRINT)
-    if theirs != base.fingerprint:
+    reason = base_mismatch(config.get(FINGERPRINT), config.get(HIDDEN), config.get(VOCAB), base)
+    if reason:
         raise BaseMismatchError(
-            f"base model mismatch: the server's heads are for base {theirs}, but this client's base "
-            f"{base.path} has fingerprint {base.fingerprint}; install the same base model on this device"
-        )
-    if (config.get(HIDDEN), config.get(VOCAB)) != (base.hidden_size, base.vocab_size):
-        raise BaseMismatchError(
-            f"heads geometry {config.get(HIDDEN)}/{config.get(VOCAB)} does not fit base "
-            f"{base.hidden_size}/{base.vocab_size}"
+            f"base model mismatch: the server's heads were {reason}; install the same base model on this device"
         )
 
 

@@ -45,6 +45,16 @@ MAX_FFN_RATIO = 16  # eagle layer width per hidden unit: bases use 2.7-4; a larg
 DraftState = torch.Tensor | tuple[torch.Tensor, ...]  # per drafted row; eagle: (feature, path keys, path values)
 
 
+def base_mismatch(fingerprint: object, hidden_size: object, vocab_size: object, base: BaseModel) -> str | None:
+    """Why heads made for this base fingerprint and geometry do not fit `base`; None when they fit. The one
+    "do these heads fit this base?" check, for heads on disk, in memory and on the wire."""
+    if fingerprint != base.fingerprint:
+        return f"trained for base {fingerprint}, not for {base.path} ({base.fingerprint})"
+    if (hidden_size, vocab_size) != (base.hidden_size, base.vocab_size):
+        return f"of geometry {hidden_size}/{vocab_size}, which does not fit base {base.hidden_size}/{base.vocab_size}"
+    return None
+
+
 @dataclass
 class HeadsConfig:
     num_heads: int
@@ -315,13 +325,9 @@ class DraftHeads(nn.Module):
             raise FedLookaheadError(f"bad heads config {directory / CONFIG_FILE}: not valid JSON ({exc})") from exc
         except TypeError as exc:
             raise FedLookaheadError(f"bad heads config {directory / CONFIG_FILE}: {exc}") from exc
-        if config.base_fingerprint != base.fingerprint:
-            raise FedLookaheadError(
-                f"heads in {directory} were trained for base {config.base_fingerprint}, "
-                f"not for {base.path} ({base.fingerprint})"
-            )
-        if (config.hidden_size, config.vocab_size) != (base.hidden_size, base.vocab_size):
-            raise FedLookaheadError(f"mismatched heads in {directory}: geometry does not fit base {base.path}")
+        reason = base_mismatch(config.base_fingerprint, config.hidden_size, config.vocab_size, base)
+        if reason:
+            raise FedLookaheadError(f"heads in {directory} were {reason}")
         state = read_weights(directory / WEIGHTS_FILE, expected_shapes(config))
         heads = cls(config, base)
         heads.load_state_dict_checked(state)
