@@ -141,11 +141,11 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     from client.training.run_state import load_state, save_state, state_file
     from common.errors import FedLookaheadError
     from common.federation.records import (
-        expected_shapes,
         heads_from_config,
         heads_to_ndarrays,
         load_ndarrays,
         validate_update,
+        wire_shapes,
     )
 
     config = client_config(context)
@@ -181,7 +181,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
             save_state(context, path, state)
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
     bound = config.secagg_clipping_range if config.secagg else None
-    reason = validate_update(sent, expected_shapes(heads), bound)
+    reason = validate_update(sent, wire_shapes(heads), bound)
     if reason:  # never send something the secure sum would silently clip or that would poison it
         raise FedLookaheadError(f"refusing to send a malformed update: {reason}")
     # capped as the server caps it (under SecAgg+: weight / max_weight <= 1, and a larger claim is refused)

@@ -37,11 +37,11 @@ from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY
 from common.federation.records import (
-    expected_shapes,
     heads_config_dict,
     heads_to_ndarrays,
     load_ndarrays,
     validate_update,
+    wire_shapes,
 )
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
@@ -82,7 +82,7 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
         ctx.grid,
         config,
         exchange,
-        expected_shapes(heads),
+        wire_shapes(heads),
         heads.num_heads,
         default_timeout=config.round_timeout or None,
         current=heads_to_ndarrays(heads),

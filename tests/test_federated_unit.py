@@ -29,7 +29,6 @@ from common.federation.protocol import ReplyError, TrainReply
 from common.federation.records import (
     BaseMismatchError,
     check_base,
-    expected_shapes,
     heads_config_dict,
     heads_from_records,
     heads_records,
@@ -37,6 +36,7 @@ from common.federation.records import (
     load_ndarrays,
     validate_masked,
     validate_update,
+    wire_shapes,
 )
 from common.heads.lookahead import DraftHeads
 from common.training.loop import feature_loader, heads_loss, mixed_precision_autocast, upcast_grad_samples
@@ -97,9 +97,15 @@ def test_heads_roundtrip_and_base_check(tiny_base):
         check_base(other, tiny_base)
 
 
+@pytest.mark.parametrize("arch", ["parallel", "recurrent", "eagle"])
+def test_the_wire_order_is_the_state_dicts(tiny_base, arch):
+    heads = DraftHeads.fresh(tiny_base, 2, arch=arch)
+    assert wire_shapes(heads) == [(name, tuple(t.shape)) for name, t in heads.state_dict().items()]
+
+
 def test_validation_names_the_problem(tiny_base):
     heads = DraftHeads.fresh(tiny_base, 2)
-    shapes = expected_shapes(heads)
+    shapes = wire_shapes(heads)
     good = heads_to_ndarrays(heads)
     assert validate_update(good, shapes, bound=8.0) is None
     nan = [a.copy() for a in good]

@@ -38,7 +38,7 @@ from common.federation.protocol import (  # noqa: F401 - HEADS_*: re-exported
     ReplyError,
     TrainReply,
 )
-from common.heads.lookahead import DraftHeads, HeadsConfig, base_mismatch
+from common.heads.lookahead import DraftHeads, HeadsConfig, base_mismatch, expected_shapes
 from common.model.base import BaseModel
 
 
@@ -49,9 +49,9 @@ class BaseMismatchError(FedLookaheadError):
 Shapes = list[tuple[str, tuple[int, ...]]]
 
 
-def expected_shapes(heads: DraftHeads) -> Shapes:
-    """(name, shape) of every head parameter, in the order they travel."""
-    return [(name, tuple(t.shape)) for name, t in heads.state_dict().items()]
+def wire_shapes(heads: DraftHeads) -> Shapes:
+    """(name, shape) of every head parameter, in the order they travel: the config's, which is the state dict's."""
+    return list(expected_shapes(heads.config).items())
 
 
 def heads_to_ndarrays(heads: DraftHeads) -> list[np.ndarray]:
@@ -59,8 +59,8 @@ def heads_to_ndarrays(heads: DraftHeads) -> list[np.ndarray]:
 
 
 def load_ndarrays(heads: DraftHeads, arrays: list[np.ndarray]) -> None:
-    """Load arrays (in `expected_shapes` order) into `heads`, after the same checks the server makes."""
-    shapes = expected_shapes(heads)
+    """Load arrays (in `wire_shapes` order) into `heads`, after the same checks the server makes."""
+    shapes = wire_shapes(heads)
     reason = validate_update(arrays, shapes, bound=None)
     if reason:
         raise FedLookaheadError(f"bad head parameters: {reason}")
@@ -137,7 +137,7 @@ def heads_from_records(arrays: ArrayRecord, config: ConfigRecord, base: BaseMode
     heads = heads_from_config(config, base)
     state = arrays.to_torch_state_dict()
     reason = validate_update(
-        [v.numpy() for v in state.values()], expected_shapes(heads), bound=None, names=list(state.keys())
+        [v.numpy() for v in state.values()], wire_shapes(heads), bound=None, names=list(state.keys())
     )
     if reason:
         raise FedLookaheadError(f"bad head parameters from the server: {reason}")

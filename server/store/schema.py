@@ -24,7 +24,6 @@ from typing import Optional
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-RUN_STATUSES = ("running", "finished", "failed")
 FINAL_STATUSES = ("finished", "failed")
 
 SCHEMA_VERSION = 4
