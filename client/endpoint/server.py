@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from pathlib import Path
@@ -13,16 +12,13 @@ from fastapi import FastAPI
 from client.endpoint.api import create_endpoint_app
 from client.endpoint.defaults import DEFAULT_MAX_QUEUE, DEFAULT_PORT
 from common.errors import FedLookaheadError
+from common.loopback import is_loopback
 from common.model.base import Loading
 
 
 def check_loopback(host: str) -> None:
     """Refuse any address other apps on the network could reach: the endpoint is for this device only."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not is_loopback(host):
         raise FedLookaheadError(f"the generation endpoint listens on loopback only (127.0.0.1 or ::1), not {host!r}")
 
 
