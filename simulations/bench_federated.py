@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -44,7 +46,7 @@ def local_training(config_overrides: dict, reps: int) -> dict:
         for mode in ("plain", "dp") if rep % 2 == 0 else ("dp", "plain"):
             config = FedConfig.from_mapping(dict(config_overrides, dp=(mode == "dp")))
             base = cached_base(config)
-            data = client_data(config, base, {"partition-id": 0, "num-partitions": 10})
+            data = client_data(config, base, {PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 10})
             features = base_features(base, data.train)  # computed once, as a device caches them across rounds
             q, steps = plan(config, len(data.train))
             choose_noise_multiplier(config, q, steps)  # calibrated (and cached) outside the timing

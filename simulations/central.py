@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = int(scenario.get("federation", {}).get("num-supernodes", 2))
     base = cached_base(config)
     chunks = torch.cat(
-        [client_data(config, base, {"partition-id": p, "num-partitions": nodes}).train for p in range(nodes)]
+        [client_data(config, base, {PARTITION_ID_KEY: p, NUM_PARTITIONS_KEY: nodes}).train for p in range(nodes)]
     )
     epochs = args.epochs or config.num_server_rounds * config.local_epochs
     evaluation = ServerEval.build(base, config)

@@ -21,6 +21,8 @@ from flwr.serverapp.grid import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+
 
 class InProcessGrid(Grid):
     def __init__(
@@ -38,7 +40,7 @@ class InProcessGrid(Grid):
         self.contexts: dict[int, Context] = {}
         for partition in range(num_nodes):
             node_id = 1000 + partition
-            node_config = {"partition-id": partition, "num-partitions": num_nodes}
+            node_config = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: num_nodes}
             node_config.update((node_configs or {}).get(partition, {}))
             self.contexts[node_id] = Context(
                 run_id=run_id, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=dict(run_config)

@@ -7,6 +7,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+
 PACKAGES = (
     "click",
     "attr",
@@ -67,7 +69,7 @@ def client_splits(run_config: dict, base, clients: int) -> list[ClientSplit]:
     config = FedConfig.from_mapping(run_config)
     splits = []
     for partition in range(clients):
-        node_config = {"partition-id": partition, "num-partitions": clients}
+        node_config = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: clients}
         data = client_data(config, base, node_config)
         train = client_features(config, base, data.train, node_config)
         heldout = client_features(config, base, data.heldout, node_config)
