@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from client.node_config import STATE_DIR_KEY
 from client.state import StateDir
 from common.data.chunks import read_text, stdlib_dir, stdlib_files, text_files
+from common.durable import replace_file
 from common.errors import FedLookaheadError
 from common.model.base import BaseModel
 from common.paths import cache_root
@@ -111,9 +111,7 @@ def load_corpus(
                 log.warning("ignoring unreadable chunk cache %s: %s", cache_file, exc)
         if corpus is None:
             corpus = chunk_corpus(files, base.tokenizer, chunk_len, progress=progress)
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-            torch.save({"chunks": corpus.chunks, "groups": corpus.groups}, tmp)
-            os.replace(tmp, cache_file)  # atomic: concurrent actors never read half a file
+            saved = {"chunks": corpus.chunks, "groups": corpus.groups}
+            replace_file(cache_file, lambda tmp: torch.save(saved, tmp))  # concurrent actors never read half a file
         _CORPORA[key] = corpus
         return corpus

@@ -51,6 +51,7 @@ from client.node_config import (
     write_node_config,
 )
 from client.state import StateDir, StateLocked, state_lock
+from common.durable import write_text
 from common.errors import FedLookaheadError
 from common.model.base import Loading
 from common.paths import default_state_dir
@@ -140,9 +141,7 @@ class ClientDaemon:
                 **extra,
             }
         )
-        tmp = self.state_dir / f".{StateDir.DAEMON_STATUS}.{os.getpid()}"
-        tmp.write_text(json.dumps(self.status, indent=1, default=str))
-        os.replace(tmp, StateDir(self.state_dir).daemon_status)
+        write_text(StateDir(self.state_dir).daemon_status, json.dumps(self.status, indent=1, default=str))
 
     def stop(self, *_args) -> None:
         self.stopping.set()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from client.state import StateDir, StateLocked, state_lock
 from client.training.dp import History, PrivacyState
-from client.training.durable import write_json
+from common.durable import write_json
 from common.errors import FedLookaheadError
 
 LEDGER_FORMAT = "fedla-privacy-ledger/1"
@@ -139,10 +139,12 @@ def save_ledger(ledger: Ledger) -> None:
             "resets": ledger.resets,
             "updated": now,
         },
+        durable=True,
     )
     write_json(
         StateDir(ledger.state_dir).trained_marker,
         {"first_trained": ledger.first_trained, "updated": now, "steps": ledger.steps},
+        durable=True,
     )
 
 

@@ -12,7 +12,7 @@ from flwr.app import Context
 
 from client.node_config import NodeConfig
 from client.training.dp import PrivacyState
-from client.training.durable import write_json
+from common.durable import write_json
 from common.federation.config import FedConfig
 
 STATE_RECORD = "fedla-privacy"
@@ -44,4 +44,4 @@ def load_state(context: Context, path: Path | None, run_key: str) -> PrivacyStat
 def save_state(context: Context, path: Path | None, state: PrivacyState) -> None:
     context.state.config_records[STATE_RECORD] = state.to_record()
     if path is not None:
-        write_json(path, state.to_json())
+        write_json(path, state.to_json(), durable=True)

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
+from common.durable import replace_file
 from common.model.base import BaseModel, load_base
 
 log = logging.getLogger(__name__)
@@ -144,10 +145,8 @@ def cached_features(
         except (OSError, RuntimeError, KeyError, EOFError):
             log.warning("ignoring a damaged feature cache file %s", path)
     features = compute_features(base, chunks, progress=progress)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"tokens": features.tokens, "hidden": features.hidden, "greedy": features.greedy}, tmp)
-    os.replace(tmp, path)
+    stored = {"tokens": features.tokens, "hidden": features.hidden, "greedy": features.greedy}
+    replace_file(path, lambda tmp: torch.save(stored, tmp))
     evict(directory, max_bytes, keep=path)
     return features
 

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from common.durable import write_text
 from common.federation.config import FedConfig
 from common.federation.protocol import finite_or_none
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
@@ -44,13 +45,6 @@ def save_checkpoint(heads: DraftHeads, folder: Path) -> Path:
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """`path.write_text(text)` through a temporary file and a rename: a crash leaves the old file or the new."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def file_sha256(path: Path) -> str:
@@ -93,7 +87,7 @@ class Recorder:
 
     def record(self, record: RoundRecord, heads: DraftHeads) -> None:
         """The round's checkpoint, round file, store row and summary, and its one log line."""
-        write_atomically(self.folder.round_file(record.round), json.dumps(record.to_json(), indent=2))
+        write_text(self.folder.round_file(record.round), json.dumps(record.to_json(), indent=2))
         self.store.record_round(self.run_id, record)
         self._record_checkpoint(record.round, save_checkpoint(heads, self.folder.checkpoint(record.round)))
         self.store.write_summary(self.run_id, self.folder.summary)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
@@ -19,6 +18,7 @@ from typing import Any, NoReturn
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from common.durable import write_text
 from common.federation.protocol import finite_or_none, integer
 from server.run.folder import SUMMARY_FILE
 from server.run.record import RoundRecord
@@ -222,14 +222,4 @@ class RunStore(RunReads):
             "checkpoints": self._checkpoints(run_id),
             "note": "Individual client updates are never stored: with SecAgg+ the server only sees the aggregate.",
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(summary, handle, indent=2, allow_nan=False)
-                handle.write("\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text(path, json.dumps(summary, indent=2, allow_nan=False) + "\n", durable=True)
