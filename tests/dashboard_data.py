@@ -4,7 +4,6 @@ what the ServerApp records."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from server.run.curve import PrivacyUtilityCurve
+from server.run.folder import RunFolder
 from server.run.record import RoundRecord
 from server.store.run_store import RunStore
 
@@ -134,16 +135,14 @@ def fill_realistic_run(
         store.finish_run(run_id, "finished")
 
 
-def write_privacy_utility(folder: Path, run_id: str) -> None:
-    """A privacy-utility benchmark JSON (simulations/privacy_utility/'s shape) left in a run's folder."""
-    entry = lambda tau, run="elsewhere": {"tau_heads_only": tau, "acc": [0.3], "run_dir": f"/runs/{run}"}  # noqa: E731
-    result = {
-        "clients": 6,
-        "rounds": 3,
-        "public_only": entry(1.48),
-        "central_nodp": entry(1.54),
-        "federated_nodp": entry(1.47),
-        "dp": {"8": entry(1.49, run_id), "1": entry(1.40), "2": entry(1.44), "4": entry(1.46)},
-    }
+def write_privacy_utility(folder: Path) -> None:
+    """The privacy-utility curve a benchmark leaves in a run's folder, this run at epsilon 8."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "privacy_utility.json").write_text(json.dumps(result))
+    PrivacyUtilityCurve(
+        epsilon=[1.0, 2.0, 4.0, 8.0],
+        dp=[1.40, 1.44, 1.46, 1.49],
+        references={"public_only": 1.48, "central_nodp": 1.54, "federated_nodp": 1.47},
+        clients=6,
+        rounds=3,
+        this_run={"kind": "dp", "epsilon": 8.0, "tau": 1.49},
+    ).write(RunFolder(folder).privacy_utility)

@@ -25,6 +25,7 @@ from dashboard_data import PRIVACY_PLAN, SECAGG, fill_realistic_run, write_check
 from server.dashboard.app import create_app
 from server.dashboard.pages import PRIVACY_NOTE
 from server.dashboard.serve import _RedactToken, check_bind
+from server.run.folder import RunFolder
 from server.run.record import RoundRecord
 from server.store.run_store import RunStore
 
@@ -319,7 +320,7 @@ def test_unbounded_epsilon_is_null(store):
 
 
 def test_privacy_utility_curve_of_a_benchmark_run(client, tmp_path):
-    write_privacy_utility(tmp_path / "run-20", "run-20")
+    write_privacy_utility(tmp_path / "run-20")
     curve = client.get("/api/runs/run-20/privacy-utility").json()
     assert curve["epsilon"] == [1.0, 2.0, 4.0, 8.0] and curve["dp"] == [1.40, 1.44, 1.46, 1.49]
     assert curve["references"] == {"public_only": 1.48, "federated_nodp": 1.47, "central_nodp": 1.54}
@@ -328,8 +329,9 @@ def test_privacy_utility_curve_of_a_benchmark_run(client, tmp_path):
     # a run that was not part of a benchmark has no curve and no such plot
     assert client.get("/api/runs/run-new/privacy-utility").status_code == 404
     assert "chart-privacy-utility" not in client.get("/runs/run-new").text
-    # a damaged benchmark file costs the plot, never the page
-    (tmp_path / "run-20" / "privacy_utility.json").write_text("{not json")
-    assert client.get("/api/runs/run-20/privacy-utility").status_code == 404
-    page = client.get("/runs/run-20")
-    assert page.status_code == 200 and "chart-privacy-utility" not in page.text
+    # a damaged curve, or a benchmark's own JSON in its place, costs the plot, never the page
+    for damaged in ("{not json", '{"dp": {"8": {"tau_heads_only": 1.4}}}', '{"epsilon": [8, 1], "dp": [1.4, 1.3]}'):
+        RunFolder(tmp_path / "run-20").privacy_utility.write_text(damaged)
+        assert client.get("/api/runs/run-20/privacy-utility").status_code == 404
+        page = client.get("/runs/run-20")
+        assert page.status_code == 200 and "chart-privacy-utility" not in page.text

@@ -43,7 +43,7 @@ POINTS = """id => { const ch = window.fedla.charts[id];
 def test_run_page_in_chromium(tmp_path):
     store = RunStore(f"sqlite:///{tmp_path / 'fedla.db'}")
     fill_realistic_run(store, "live-run", rounds=ROUNDS, run_dir=tmp_path, finish=False)
-    write_privacy_utility(tmp_path / "live-run", "live-run")
+    write_privacy_utility(tmp_path / "live-run")
     errors: list[str] = []
     with serve_in_thread(create_app(store, token=TOKEN)) as base_url, chromium_page() as page:
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)

@@ -75,18 +75,21 @@ def test_quick_run_writes_the_issue_json_shape_and_a_plot(quick_result):
 
 
 def test_every_federated_run_folder_carries_the_curve_for_the_dashboard(quick_result):
-    """The dashboard reads the benchmark JSON from a run's folder and places that run on the curve."""
-    from server.dashboard.benchmark import privacy_utility_curve
+    """The benchmark leaves the product's curve record in each run's folder, with that run on it (the
+    dashboard reads only that record)."""
+    from dataclasses import asdict
+
+    from server.run.curve import curve_of_run
 
     result, _ = quick_result
     run_dir = Path(result["dp"]["2"]["run_dir"])
-    curve = privacy_utility_curve([run_dir], run_dir.name)
+    curve = asdict(curve_of_run([run_dir]))
     assert curve["epsilon"] == [1.0, 2.0, 4.0, 8.0]
     assert curve["dp"] == [result["dp"][e]["tau_heads_only"] for e in ("1", "2", "4", "8")]
     assert curve["references"]["public_only"] == result["public_only"]["tau_heads_only"]
     assert curve["this_run"] == {"kind": "dp", "epsilon": 2.0, "tau": result["dp"]["2"]["tau_heads_only"]}
     nodp = Path(result["federated_nodp"]["run_dir"])
-    assert privacy_utility_curve([nodp], nodp.name)["this_run"]["kind"] == "federated_nodp"
+    assert curve_of_run([nodp]).this_run["kind"] == "federated_nodp"
 
 
 def test_epsilon_composed_over_all_rounds_matches_opacus_and_stays_under_target(quick_result):

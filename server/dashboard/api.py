@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, HTTPException, Query
 
-from server.dashboard.benchmark import privacy_utility_curve
 from server.dashboard.downloads import run_folders_under
 from server.dashboard.models import ErrorOut, PrivacyUtilityOut, RoundOut, RunOut, RunSummaryOut
+from server.run.curve import curve_of_run
 from server.store.run_store import RunStore
 
 
@@ -60,7 +61,7 @@ def add_api_routes(app: FastAPI, store: RunStore, run_roots: list[Path]) -> None
     )
     def api_privacy_utility(run_id: str):
         run_or_404(store, run_id)
-        curve = privacy_utility_curve(run_folders_under(run_roots, run_id), run_id)
+        curve = curve_of_run(run_folders_under(run_roots, run_id))
         if curve is None:
             raise HTTPException(404, f"run {run_id!r} was not part of a privacy-utility benchmark")
-        return curve
+        return asdict(curve)

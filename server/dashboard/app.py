@@ -23,8 +23,8 @@ Plots use Chart.js 4.6.1 (MIT, see static/chart.js.LICENSE.md), vendored from th
 Individual client updates are never stored or shown: with SecAgg+ the server only sees the aggregate.
 
 The app's guard (methods, Host header, token, store availability, security headers) and error pages are
-here; the JSON API in api.py, the pages in pages.py, checkpoint downloads in downloads.py, the benchmark
-curve in benchmark.py, and serving (bind check, uvicorn) in serve.py.
+here; the JSON API in api.py, the pages in pages.py, checkpoint downloads in downloads.py (a benchmark's
+curve is a run-folder record, server/run/curve.py), and serving (bind check, uvicorn) in serve.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlencode
@@ -13,8 +14,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from server.dashboard.api import run_or_404
-from server.dashboard.benchmark import privacy_utility_curve
 from server.dashboard.downloads import checkpoint_response, run_folders_under
+from server.run.curve import curve_of_run
 from server.store.run_store import RunStore
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -55,7 +56,8 @@ def add_page_routes(app: FastAPI, store: RunStore, run_roots: list[Path], page: 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(request: Request, run_id: str):
         run = run_or_404(store, run_id)
-        curve = privacy_utility_curve(run_folders_under(run_roots, run_id), run_id)
+        curve = curve_of_run(run_folders_under(run_roots, run_id))
+        curve = asdict(curve) if curve is not None else None
         return page(request, "run.html", run=run, rounds=store.get_rounds(run_id), privacy_utility=curve)
 
     @app.get("/runs/{run_id}/checkpoint", include_in_schema=False)

@@ -6,7 +6,8 @@ runs/<run-id>/
   checkpoints/round-N/    the heads after round N, written atomically
   summary.json            written from the run store after every round, so it and the dashboard agree
   plot.png                drawn from summary.json when the run finishes (server/run/plot.py)
-  privacy_utility.json    a privacy-utility benchmark this run was part of (the dashboard plots it)
+  privacy_utility_curve.json  where this run sits on a privacy-utility benchmark (server/run/curve.py)
+  faults.json             the faults a simulation injected (simulations/faults.py)
   flwr.log                the scenario runner's log of `flwr run` (simulations/run.py)
 """
 
@@ -22,7 +23,8 @@ ROUNDS_DIR = "rounds"
 CHECKPOINTS_DIR = "checkpoints"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "plot.png"
-PRIVACY_UTILITY_FILE = "privacy_utility.json"  # simulations/privacy_utility/ leaves it in each run it made
+PRIVACY_UTILITY_FILE = "privacy_utility_curve.json"  # a benchmark that made this run leaves it
+FAULTS_FILE = "faults.json"
 LOG_FILE = "flwr.log"
 ROUND_PREFIX = "round-"  # rounds/round-N.json and checkpoints/round-N/
 
@@ -66,6 +68,10 @@ class RunFolder:
     @property
     def privacy_utility(self) -> Path:
         return self.path / PRIVACY_UTILITY_FILE
+
+    @property
+    def faults(self) -> Path:
+        return self.path / FAULTS_FILE
 
     @property
     def log(self) -> Path:

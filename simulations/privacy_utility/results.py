@@ -1,10 +1,12 @@
-"""The benchmark's JSON (the dashboard reads it): its rounding, the run folders that carry a copy, and
-the summary table printed at the end."""
+"""The benchmark's JSON: its rounding, the curve it leaves in each run folder it made (the dashboard
+plots that), and the summary table printed at the end."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from server.run.curve import REFERENCES, PrivacyUtilityCurve
 
 
 def round_floats(value):
@@ -22,6 +24,23 @@ def federated_run_dirs(result: dict) -> list[Path]:
     entries = [result.get("federated_nodp") or {}]
     entries += list(result.get("dp", {}).values()) + list(result.get("user_dp", {}).values())
     return [Path(e["run_dir"]) for e in entries if e.get("run_dir") and Path(e["run_dir"]).is_dir()]
+
+
+def curve_for_run(result: dict, run_dir: Path) -> PrivacyUtilityCurve:
+    """The example-level DP curve of a result, with `run_dir`'s own point on it."""
+    dp = sorted(((float(eps), entry) for eps, entry in result.get("dp", {}).items()), key=lambda p: p[0])
+    this_run = None
+    for kind, eps, entry in [("federated_nodp", None, result.get("federated_nodp"))] + [("dp", e, x) for e, x in dp]:
+        if entry and Path(str(entry.get("run_dir", ""))).name == run_dir.name:
+            this_run = {"kind": kind, "epsilon": eps, "tau": entry["tau_heads_only"]}
+    return PrivacyUtilityCurve(
+        epsilon=[eps for eps, _ in dp],
+        dp=[entry["tau_heads_only"] for _, entry in dp],
+        references={name: result[name]["tau_heads_only"] for name in REFERENCES if name in result},
+        clients=result.get("clients"),
+        rounds=result.get("rounds"),
+        this_run=this_run,
+    )
 
 
 def table(result: dict) -> str:

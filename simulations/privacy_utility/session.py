@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.run.folder import RunFolder
 from simulations.privacy_utility.central import ensure_public_heads
 from simulations.privacy_utility.configs import DELTA, Scale, base_run_config
 from simulations.privacy_utility.corpus import ClientSplit, client_splits, private_corpus
 from simulations.privacy_utility.federated import federate, final_heads
 from simulations.privacy_utility.plot import plot
-from simulations.privacy_utility.results import federated_run_dirs, round_floats
+from simulations.privacy_utility.results import curve_for_run, federated_run_dirs, round_floats
 from simulations.privacy_utility.tau import evaluate
 
 # The run-config keys a federated entry reports under "config" (those its configuration sets).
@@ -116,12 +117,9 @@ class Session:
                 "meta": {**self.meta, "seconds": self.timings, "total_seconds": time.perf_counter() - self.started},
             }
         )
-        from server.run.folder import PRIVACY_UTILITY_FILE
-
-        text = json.dumps(payload, indent=1)
-        self.out_json.write_text(text)
+        self.out_json.write_text(json.dumps(payload, indent=1))
         for run_dir in federated_run_dirs(payload):  # so the dashboard shows the curve on each run's page
-            (run_dir / PRIVACY_UTILITY_FILE).write_text(text)
+            curve_for_run(payload, run_dir).write(RunFolder(run_dir).privacy_utility)
         try:
             if self.result.get("dp"):
                 plot(payload, self.out_json.with_suffix(".png"))
