@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
@@ -40,11 +41,9 @@ from client import secagg
 from client import state as device_state
 from common.federation import protocol as P
 from common.federation.protocol import (
-    FAIL_KEY,
     HEADS_CONFIG_RECORD,
     HEADS_RECORD,
     MEASURE_TAU,
-    ROUND_KEY,
     RUN_KEY,
     EvalReply,
     TrainReply,
@@ -59,10 +58,6 @@ if TYPE_CHECKING:
 
 # the train metrics a device sends: its privacy spending, none of its data's statistics
 DEVICE_TRAIN_METRICS = (P.SKIPPED, P.SKIP_REASON, P.EPSILON, P.DELTA, P.DP, P.NOISE_MULTIPLIER)
-
-
-class SimulatedDropout(RuntimeError):
-    """Raised on purpose in the dropout scenario: the client vanishes after SecAgg+ key setup."""
 
 
 def secaggplus_when_needed(msg: Message, context: Context, call_next):
@@ -149,10 +144,6 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     )
 
     config = client_config(context)
-    if fit_config.get(FAIL_KEY):
-        raise SimulatedDropout(
-            f"simulated dropout in round {fit_config.get(ROUND_KEY)} (dropout-rate={config.dropout_rate})"
-        )
     base = cached_base(config)
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
@@ -211,17 +202,12 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
 
 
-app = ClientApp()
-
-
-@app.train(mods=[device_weight_hidden, secaggplus_when_needed, fixedclipping_when_asked])
 def train(msg: Message, context: Context) -> Message:
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
 
-@app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     from client.base_cache import cached_base
     from client.local_data import client_data, client_features
@@ -255,3 +241,14 @@ def evaluate(msg: Message, context: Context) -> Message:
     if device_state.state_dir_of(context.node_config) is not None:  # a device: measured for its own log only
         metrics = EvalReply(num_examples=0, withheld=True).to_metrics()
     return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)
+
+
+def client_app(mods: Sequence[Mod] = ()) -> ClientApp:
+    """The ClientApp; `mods` wrap both handlers outside the product's own (simulations inject faults so)."""
+    built = ClientApp(mods=list(mods))
+    built.train(mods=[device_weight_hidden, secaggplus_when_needed, fixedclipping_when_asked])(train)
+    built.evaluate()(evaluate)
+    return built
+
+
+app = client_app()

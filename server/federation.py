@@ -108,15 +108,6 @@ def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
             )
         tolerated = config.secagg_tolerated_dropouts(sampled)
         info.update(num_shares=shares, threshold=threshold, tolerated_dropouts=tolerated)
-        planned_drops = int(round(config.dropout_rate * sampled))
-        if planned_drops > tolerated:
-            log.warning(
-                "dropout-rate %.2f drops %d of %d clients, more than the %d SecAgg+ tolerates: those rounds will abort",
-                config.dropout_rate,
-                planned_drops,
-                sampled,
-                tolerated,
-            )
     return info
 
 
@@ -245,7 +236,6 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             optimizer=server_optimizer.from_config(config),  # issue 12: fedavg | fedavgm | fedadam
             workflow=workflow,
             user_dp=plan.get("user_dp"),
-            sample_rng=random.Random(config.seed),
             eval_rng=random.Random(config.seed + 1),
         )
         for server_round in range(start_round, config.num_server_rounds + 1):

@@ -82,7 +82,6 @@ class ExchangeLog:
     bytes_up: list[int] = field(default_factory=list)
     aggregated: bool = False
     aggregate_note: str = ""
-    induced_failures: list[int] = field(default_factory=list)
     update_norms: dict[int, float] = field(default_factory=dict)  # node -> L2 distance of its plain update
     update_bound: float = 0.0  # the round's L2 bound on an update (FedConfig.update_bound), set by the guard
 

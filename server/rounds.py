@@ -35,7 +35,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.protocol import FAIL_KEY, ROUND_KEY, RUN_KEY
+from common.federation.protocol import ROUND_KEY, RUN_KEY
 from common.federation.records import (
     heads_config_dict,
     heads_to_ndarrays,
@@ -68,7 +68,6 @@ class RoundContext:
     optimizer: Any  # server.server_optimizer: step(current, mean) -> new arrays
     workflow: TolerantSecAggPlusWorkflow | None = None  # None: plain FedAvg (default_fit_workflow)
     user_dp: dict[str, Any] | None = None  # dp-level=user: server.user_dp's plan
-    sample_rng: random.Random = field(default_factory=random.Random)  # which sampled clients crash (simulation)
     eval_rng: random.Random = field(default_factory=random.Random)  # which nodes evaluate
     client_eps: dict[int, float] = field(default_factory=dict)  # node -> its latest cumulative epsilon
 
@@ -124,7 +123,7 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     config = ctx.config
     exchange = guarded.exchange
     strategy: Strategy = HeadsStrategy(
-        config, exchange, guarded.shapes, {**heads_config_dict(heads), RUN_KEY: ctx.run_id}, ctx.sample_rng
+        config, exchange, guarded.shapes, {**heads_config_dict(heads), RUN_KEY: ctx.run_id}
     )
     if ctx.user_dp is not None:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
         from server.user_dp import wrap_strategy
@@ -176,7 +175,7 @@ class HeadsStrategy(Strategy):
     It reads only what the guard checked (`ExchangeLog.checked`), never the raw FitRes metrics. Under
     SecAgg+ the workflow has already computed the weighted mean: every result carries it, and this
     strategy only records the plaintext metrics. In plain mode it computes the mean itself. One strategy
-    serves one round: it writes that round's `exchange`; `rng` (dropout simulation) is the run's.
+    serves one round: it writes that round's `exchange`.
     """
 
     def __init__(
@@ -185,13 +184,11 @@ class HeadsStrategy(Strategy):
         exchange: ExchangeLog,
         shapes: list[tuple[str, tuple[int, ...]]],
         fit_config: dict[str, Any],
-        rng: random.Random,
     ) -> None:
         self.config = config
         self.exchange = exchange
         self.shapes = shapes
         self.fit_config = fit_config
-        self.rng = rng
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return None
@@ -214,17 +211,10 @@ class HeadsStrategy(Strategy):
         clients = client_manager.sample(num_clients=wanted, min_num_clients=wanted)
         log_ = self.exchange
         log_.sampled = [c.node_id for c in clients]
-        failing: set[int] = set()
-        if self.config.dropout_rate > 0:  # simulation: exactly this share of the sampled clients crashes
-            count = int(round(self.config.dropout_rate * len(clients)))
-            failing = {c.node_id for c in self.rng.sample(clients, count)}
-            log_.induced_failures = sorted(failing)
         instructions = []
         for client in clients:
             # honest clients clip their update to the guard's bound (Flower's fixedclipping_mod, client/client_app.py)
             config = dict(self.fit_config, **{ROUND_KEY: server_round, KEY_CLIPPING_NORM: log_.update_bound})
-            if client.node_id in failing:
-                config[FAIL_KEY] = True
             instructions.append((client, FitIns(parameters, config)))
         return instructions
 
@@ -363,7 +353,6 @@ def _round_record(
         dropped=dropped,
         rejected=tuple(exchange.rejected),
         failures={str(n): r for n, r in exchange.failures.items() if n not in rejected_nodes},
-        induced_failures=tuple(exchange.induced_failures),
         skipped_budget={str(n): r for n, r in skipped.items()},
         weights={str(n): w for n, w in exchange.weights.items()},
         capped_weights={str(n): w for n, w in exchange.capped.items()},

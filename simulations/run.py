@@ -1,8 +1,9 @@
 """Run a simulation scenario: `python -m simulations.run iid-10` (see simulations/scenarios/*.toml).
 
 A scenario is a TOML file with a `[federation]` table (num-supernodes, client-resources-num-cpus: the
-simulation's `--federation-config`) and a `[run-config]` table (overrides of [tool.flwr.app.config]);
-`base = "other"` inherits another scenario. The runner starts a private local SuperLink (its own
+simulation's `--federation-config`), a `[run-config]` table (overrides of [tool.flwr.app.config]) and
+an optional `[faults]` table (simulations/faults.py: clients that crash mid-round, injected by a mod
+the product's ClientApp does not have); `base = "other"` inherits another scenario. The runner starts a private local SuperLink (its own
 ports and FLWR_HOME, see server/superlink.py), submits `flwr run . local --run-config ...
 --federation-config ... --stream`, waits for the run to end and stops every process it started.
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
@@ -24,8 +25,9 @@ import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.federation.config import DEFAULTS
+from common.federation.config import DEFAULTS, FedConfig
 from server.run.folder import RunFolder
+from simulations.faults import FaultPlan, faulty_app_copy, faulty_client_app, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -43,6 +45,7 @@ def load_scenario(name: str) -> dict:
             "description": data.get("description", parent.get("description", "")),
             "federation": {**parent.get("federation", {}), **data.get("federation", {})},
             "run-config": {**parent.get("run-config", {}), **data.get("run-config", {})},
+            "faults": {**parent.get("faults", {}), **data.get("faults", {})},
         }
     return data
 
@@ -122,14 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     run_config.update({"run-id": run_id, "run-dir": str(run_root)})
     run_config.setdefault("client-state-dir", str(run_dir / "client-state"))
     print(f"scenario {args.scenario}: {scenario.get('description', '')}\nrun {run_id} -> {run_dir}", flush=True)
+    faults = FaultPlan.from_table(scenario.get("faults", {}))
+    warn_if_secagg_cannot_survive(faults, run_config, int(federation.get("num-supernodes", 2)))
     started = time.perf_counter()
     if args.inprocess:
-        code = _run_inprocess(run_config, int(federation.get("num-supernodes", 2)), run_dir)
+        code = _run_inprocess(run_config, int(federation.get("num-supernodes", 2)), run_dir, faults)
     else:
         from server.superlink import SuperLink
 
+        app_dir = REPO
+        if faults != FaultPlan():
+            write_plan(folder, faults)
+            app_dir = faulty_app_copy(REPO, run_dir / "app")
         with SuperLink.for_simulation(log_dir=run_dir, cwd=REPO) as link:
-            code, _ = link.submit(REPO, run_config, federation, log_path=folder.log, timeout=args.timeout, echo=False)
+            code, _ = link.submit(
+                app_dir, run_config, federation, log_path=folder.log, timeout=args.timeout, echo=False
+            )
     seconds = time.perf_counter() - started
     summary_file = folder.summary
     if not summary_file.is_file():
@@ -157,11 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if code == 0 and summary["run"]["status"] == "finished" else 1
 
 
-def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
+def warn_if_secagg_cannot_survive(faults: FaultPlan, run_config: dict, num_nodes: int) -> None:
+    config = FedConfig.from_mapping(run_config)
+    if not config.secagg or faults.dropout_rate == 0:
+        return
+    sampled = min(config.clients_this_round(num_nodes), num_nodes)
+    drops, tolerated = int(round(faults.dropout_rate * sampled)), config.secagg_tolerated_dropouts(sampled)
+    if drops > tolerated:
+        print(
+            f"warning: dropout-rate {faults.dropout_rate:.2f} drops about {drops} of {sampled} clients, more than "
+            f"the {tolerated} SecAgg+ tolerates: those rounds will abort",
+            file=sys.stderr,
+        )
+
+
+def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path, faults: FaultPlan) -> int:
     from flwr.app import Context, RecordDict
 
     from client.client_app import app as client_app
-    from common.federation.config import FedConfig
     from server.federation import run_federation
     from simulations.inprocess import InProcessGrid
 
@@ -170,7 +194,7 @@ def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()],
     )
-    grid = InProcessGrid(client_app, num_nodes, run_config)
+    grid = InProcessGrid(faulty_client_app(faults) if faults != FaultPlan() else client_app, num_nodes, run_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     run_federation(grid, context, FedConfig.from_mapping(run_config))
     return 0

@@ -75,3 +75,37 @@ def test_flwr_run_simulation_with_secagg_and_dp(tiny_base_dir, tmp_path, monkeyp
     assert summary["rounds"][1]["privacy"]["epsilon_max"] > summary["rounds"][0]["privacy"]["epsilon_max"]
     assert "Secure aggregation completed" in log
     assert (tmp_path / "runs" / "flwr-e2e" / "checkpoints" / "round-2" / "heads.safetensors").is_file()
+
+
+def test_the_dropout_scenario_crashes_a_client_through_flwr_run_and_secagg_survives(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    """simulations.run's dropout scenario: `flwr run` of the app copy whose ClientApp carries the fault mod."""
+    sys.path.insert(0, str(REPO))  # simulations/ is a folder of scripts, not installed
+    from simulations import run as runner
+
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "fedla-home"))
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    sets = {
+        "base-model-dir": f'"{tiny_base_dir}"',
+        "data-source": f'"{stdlib_dir() / "json"}"',
+        "chunk-len": 32,
+        "max-chunks-per-client": 12,
+        "num-heads": 2,
+        "batch-size": 4,
+        "server-eval-chunks": 8,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 4,
+        "client-eval-prompts": 1,
+        "init-heads": '"fresh"',
+    }
+    argv = ["dropout", "--clients", "3", "--rounds", "1", "--run-id", "drop", "--run-dir", str(tmp_path / "runs")]
+    argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    assert runner.main(argv) == 0, (tmp_path / "runs" / "drop" / "flwr.log").read_text()[-3000:]
+    record = json.loads((tmp_path / "runs" / "drop" / "rounds" / "round-1.json").read_text())
+    assert record["aggregated"], record["aggregate_note"]
+    part = record["participation"]
+    assert (part["sampled"], part["succeeded"], part["dropped"]) == (3, 2, 1)
+    [reason] = part["failures"].values()
+    assert "simulated dropout in round 1" in reason
+    assert "Secure aggregation completed" in (tmp_path / "runs" / "drop" / "flwr.log").read_text()

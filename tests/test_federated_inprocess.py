@@ -30,12 +30,15 @@ from server.federation import run_federation
 from tests.conftest import LOOPBACK_URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts, not installed
+from simulations.faults import FaultPlan, dropout_mod  # noqa: E402
 from simulations.inprocess import InProcessGrid  # noqa: E402
 
 
-def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None) -> ClientApp:
+def recording_app(
+    sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None, outer_mods=()
+) -> ClientApp:
     """The real train and evaluate handlers, recording each client's plain update before SecAgg+ masks
-    it; `corrupt*` change a client's train reply, masked vector, evaluation metrics or any SecAgg+ stage's
+    it; `outer_mods` wrap everything (as a simulation's fault injection does); `corrupt*` change a client's train reply, masked vector, evaluation metrics or any SecAgg+ stage's
     reply record on the way out (`corrupt_stage(node, stage, record, earlier)`, `earlier`: (stage, node) ->
     the records the other clients sent so far, for replays)."""
     earlier: dict = {}
@@ -64,7 +67,7 @@ def recording_app(sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=No
             reply.content = compat.fitres_to_recorddict(fitres, keep_input=False)
         return reply
 
-    app = ClientApp()
+    app = ClientApp(mods=list(outer_mods))
 
     @app.train(mods=[masked_corrupter, secaggplus_when_needed, fitres_corrupter, fixedclipping_when_asked])
     def train(msg: Message, context: Context) -> Message:
@@ -138,14 +141,16 @@ def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
 
 def test_secagg_survives_a_mid_round_dropout(run_config, tiny_base):
     sent: dict = {}
-    run_dir, summary, _ = run(dict(run_config, **{"dropout-rate": 0.25}), recording_app(sent))
+    plan = FaultPlan(dropout_rate=0.25)
+    run_dir, summary, grid = run(run_config, recording_app(sent, outer_mods=[dropout_mod(plan)]))
     record = round_record(run_dir)
     assert record["aggregated"], record["aggregate_note"]
     part = record["participation"]
     assert part["sampled"] == 4 and part["succeeded"] == 3 and part["dropped"] == 1
-    assert len(part["induced_failures"]) == 1
-    assert "simulated dropout" in part["failures"][str(part["induced_failures"][0])]
-    assert len(sent) == 3
+    [(crashed, reason)] = part["failures"].items()
+    assert "simulated dropout in round 1" in reason
+    assert plan.drops(1, grid.contexts[int(crashed)].node_config)  # the one the plan chose
+    assert len(sent) == 3 and int(crashed) not in sent
     config = FedConfig.from_mapping(run_config)
     expected = weighted_mean(list(sent.values()))
     secure = global_heads(run_dir, tiny_base)

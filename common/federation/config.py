@@ -116,7 +116,6 @@ class FedConfig:
     client_eval_prompts: int = _knob(2, "prompts per client for client-side tau")
 
     # simulation and devices
-    dropout_rate: float = _knob(0.0, "simulation only: this share of sampled clients crashes mid-round")
     client_state_dir: str = _knob(
         "", "simulation: persist client privacy accountants here (devices: node config state-dir)"
     )
@@ -200,8 +199,6 @@ class FedConfig:
             raise FedLookaheadError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
         if not 0 <= self.fraction_evaluate <= 1:
             raise FedLookaheadError(f"fraction-evaluate must be in [0, 1], got {self.fraction_evaluate}")
-        if not 0 <= self.dropout_rate < 1:
-            raise FedLookaheadError(f"dropout-rate must be in [0, 1), got {self.dropout_rate}")
         if not 0 <= self.local_heldout_fraction < 1:
             raise FedLookaheadError(f"local-heldout-fraction must be in [0, 1), got {self.local_heldout_fraction}")
         if self.min_train_clients > self.min_available_clients:

@@ -23,7 +23,6 @@ from typing import Any, Mapping, NoReturn
 
 ROUND_KEY = "server-round"  # train/evaluate config: the server round
 RUN_KEY = "fedla-run-id"  # train config: the run id (keys the client's privacy accountant)
-FAIL_KEY = "simulate-failure"  # train config, simulation only: this client crashes on purpose
 BAD_SHARE_SOURCES = "fedla-bad-share-sources"  # SecAgg+ collect reply: peers whose key shares did not decrypt
 MEASURE_TAU = "measure-tau"  # evaluate config: also decode prompts for tau
 HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages

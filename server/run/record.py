@@ -42,7 +42,6 @@ class RoundRecord:
     dropped: int = 0
     rejected: tuple[dict[str, Any], ...] = ()  # {"node": id, "reason": str}; the store keeps the reason only
     failures: dict[str, str] = field(default_factory=dict)  # node -> why it failed (not rejected)
-    induced_failures: tuple[int, ...] = ()  # simulation: nodes told to crash
     skipped_budget: dict[str, str] = field(default_factory=dict)  # node -> its skip reason
     weights: dict[str, int] = field(default_factory=dict)  # node -> the (capped) aggregation weight
     capped_weights: dict[str, int] = field(default_factory=dict)  # node -> the larger weight it claimed
@@ -161,7 +160,6 @@ class RoundRecord:
                 dropped=part["dropped"],
                 rejected=tuple(part["rejected"]),
                 failures=dict(part["failures"]),
-                induced_failures=tuple(part["induced_failures"]),
                 skipped_budget=dict(part["skipped_budget"]),
                 weights=dict(part["weights"]),
                 capped_weights=dict(part["capped_weights"]),
@@ -216,7 +214,6 @@ class RoundRecord:
                     "dropped": self.dropped,
                     "rejected": [dict(item) for item in self.rejected],
                     "failures": dict(self.failures),
-                    "induced_failures": list(self.induced_failures),
                     "skipped_budget": dict(self.skipped_budget),
                     "weights": dict(self.weights),
                     "capped_weights": dict(self.capped_weights),
