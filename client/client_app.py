@@ -37,8 +37,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
-from client import secagg
-from client import state as device_state
+from client import device_hooks, secagg
+from client.state import state_dir_of
 from common.federation import protocol as P
 from common.federation.protocol import (
     HEADS_CONFIG_RECORD,
@@ -109,7 +109,7 @@ def device_weight_hidden(msg: Message, context: Context, call_next):
     from common.federation.config import FedConfig
 
     reply = call_next(msg, context)
-    if device_state.state_dir_of(context.node_config) is None or not reply.has_content():
+    if state_dir_of(context.node_config) is None or not reply.has_content():
         return reply
     counts = reply.content.metric_records.get(P.FITRES_NUM_EXAMPLES)
     if counts is not None and int(counts.get("num_examples", 0)) > 0:
@@ -147,7 +147,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     base = cached_base(config)
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
-    device_state.train_started(context, fit_config, heads)  # a device keeps the global heads it was sent
+    device_hooks.train_started(context, fit_config, heads)  # a device keeps the global heads it was sent
     data = client_data(config, base, dict(context.node_config))
     if len(data.train) == 0:
         raise FedLookaheadError("this client has no training chunks")
@@ -196,7 +196,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         loss=None if summary is None else float(summary["loss"]),
         head_accuracy=() if summary is None else tuple(float(a) for a in summary["head_accuracy"]),
     ).to_metrics()
-    device_state.train_finished(context, fit_config, metrics, weight)  # the whole story stays on the device
+    device_hooks.train_finished(context, fit_config, metrics, weight)  # the whole story stays on the device
     if floor is not None:
         metrics = {key: metrics[key] for key in DEVICE_TRAIN_METRICS}
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
@@ -218,7 +218,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = client_config(context)
     base = cached_base(config)
     heads = heads_from_records(msg.content[HEADS_RECORD], msg.content[HEADS_CONFIG_RECORD], base)
-    device_state.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
+    device_hooks.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
     data = client_data(config, base, dict(context.node_config))
     started = time.perf_counter()
     summary, tau = None, None
@@ -237,8 +237,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         eval_seconds=time.perf_counter() - started,
     )
     metrics = measured.to_metrics()
-    device_state.evaluated(context, msg.content[HEADS_CONFIG_RECORD], metrics)
-    if device_state.state_dir_of(context.node_config) is not None:  # a device: measured for its own log only
+    device_hooks.evaluated(context, msg.content[HEADS_CONFIG_RECORD], metrics)
+    if state_dir_of(context.node_config) is not None:  # a device: measured for its own log only
         metrics = EvalReply(num_examples=0, withheld=True).to_metrics()
     return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from client.endpoint.defaults import DEFAULT_PORT
+from client.kept_heads import latest_heads
 from client.node_config import BASE_MODEL_DIR_KEY, DATA_DIR_KEY, HEADS_DIR_KEY, STATE_DIR_KEY
-from client.state import StateDir, latest_heads, read_node_config
+from client.state import StateDir, read_node_config
 from common.errors import FedLookaheadError
 from common.federation.protocol import SKIPPED
 from common.model.int8_kernels import cached_reports, cpu_info, describe_cpu

@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from client.daemon import DaemonOptions, node_config_values, write_node_config
 from client.daemon.readiness import prepare
+from client.events import record_event
+from client.kept_heads import keep_global_heads
 from client.node_config import HEADS_DIR_KEY
-from client.state import StateDir, keep_global_heads, record_event
+from client.state import StateDir
 from client.status import device_status, forget, format_status
 from client.training.dp import PrivacyState, epsilon_of
 from client.training.ledger import Ledger, save_ledger

@@ -37,6 +37,7 @@ from client.daemon import (
     node_config_values,
     preflight,
 )
+from client.kept_heads import keep_global_heads, latest_heads
 from client.node_config import (
     BUDGET_KEY,
     DATA_DIR_KEY,
@@ -46,7 +47,6 @@ from client.node_config import (
     MIN_NOISE_KEY,
     STATE_DIR_KEY,
 )
-from client.state import keep_global_heads, latest_heads
 from common.data.chunks import stdlib_dir
 from common.procs import alive, descendants, free_port, start_time
 

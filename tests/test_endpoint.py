@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.endpoint.api import create_endpoint_app
 from client.endpoint.server import EndpointServer, check_loopback, serve_endpoint, start_endpoint
+from client.kept_heads import keep_global_heads
 from client.node_config import STATE_DIR_KEY
-from client.state import keep_global_heads
 from common.decoding import generate
 from common.errors import FedLookaheadError
 from common.heads.lookahead import DraftHeads

@@ -1,6 +1,6 @@
 """What the daemon tells the device's owner: one line per round, and the lifecycle lines.
 
-Round lines come from <state>/events.jsonl (written by the ClientApp, client.state); lifecycle lines
+Round lines come from <state>/events.jsonl (written by the ClientApp, client/events.py); lifecycle lines
 from the restart policy's decisions (client.daemon.policy) and the SuperNode's output:
 
     connected to the SuperLink at HOST:PORT as node N

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.state import read_heads_meta
+from client.kept_heads import read_heads_meta
 from common.errors import FedLookaheadError, first_line
 from common.heads.lookahead import CONFIG_FILE, WEIGHTS_FILE, DraftHeads
 from common.model.base import BaseModel
