@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from simulations.privacy_utility.configs import QUICK, Scale
+from simulations.privacy_utility.configs import Scale
 from simulations.privacy_utility.corpus import ClientSplit
 
 
@@ -15,23 +15,23 @@ def ensure_public_heads(path: Path | None, base, scale: Scale, cache: Path) -> P
     """The server's public heads: the given folder, else (trained once, cached) on the stdlib train split."""
     if path is not None:
         return path
-    target = cache / f"public-heads-{base.fingerprint[:12]}-{scale.chunk_len}"
+    budget = f"{scale.chunk_len}-{scale.public_files}f-{scale.public_chunks}c-{scale.public_seconds:g}s"
+    target = cache / f"public-heads-{base.fingerprint[:12]}-{budget}"  # a quick run's heads never stand in
     if (target / "heads_config.json").exists():
         return target
     from common.data.chunks import chunk_files, stdlib_files
     from common.training.loop import fit_heads
 
     files = stdlib_files("train")
-    chunks = chunk_files(files[: 40 if scale is QUICK else 400], base.tokenizer, scale.chunk_len)
+    chunks = chunk_files(files[: scale.public_files], base.tokenizer, scale.chunk_len)
     heldout = chunk_files(stdlib_files("heldout")[:10], base.tokenizer, scale.chunk_len)
-    limit = 64 if scale is QUICK else 1000
     heads, _ = fit_heads(
         base,
-        chunks[:limit],
+        chunks[: scale.public_chunks],
         heldout[:32],
         draft_vocab_size=min(8192, base.vocab_size // 2),
         epochs=2,
-        max_seconds=10 if scale is QUICK else 600,
+        max_seconds=scale.public_seconds,
         show_progress=False,
     )
     heads.save(target)

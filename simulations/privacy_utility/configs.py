@@ -27,6 +27,9 @@ class Scale:
     user_dp: bool = True
     validate_prompts: int = 3
     validate_tokens: int = 32
+    public_files: int = 400  # the public heads: stdlib train files, chunks and seconds of training
+    public_chunks: int = 1000
+    public_seconds: float = 600.0
 
 
 QUICK = Scale(
@@ -43,6 +46,9 @@ QUICK = Scale(
     user_dp=True,
     validate_prompts=1,
     validate_tokens=8,
+    public_files=40,
+    public_chunks=64,
+    public_seconds=10.0,
 )
 
 
