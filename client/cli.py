@@ -132,13 +132,13 @@ def client_serve_cmd(
 ) -> None:
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
-    from client.endpoint.server import serve_endpoint
+    from client.endpoint.server import serve_endpoint, start_endpoint
     from client.state import StateDir
     from common.model.default import resolve_base
     from common.paths import default_state_dir
 
     try:
-        serve_endpoint(
+        server = start_endpoint(
             resolve_base(base),
             heads or StateDir(state_dir or default_state_dir()).latest_heads,
             host=host,
@@ -148,6 +148,7 @@ def client_serve_cmd(
         )
     except FedLookaheadError as exc:
         fail(str(exc))
+    serve_endpoint(server)
 
 
 @app.command("reset-ledger")

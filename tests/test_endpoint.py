@@ -304,7 +304,7 @@ def test_only_loopback_hosts_are_served(base_dir, tmp_path):
             check_loopback(host)
     never_loaded = tmp_path / "never-loaded"  # the host is refused before any base is looked for
     with pytest.raises(FedLookaheadError, match=r"loopback only \(127.0.0.1 or ::1\), not '0.0.0.0'"):
-        serve_endpoint(never_loaded, None, host="0.0.0.0", port=0)
+        start_endpoint(never_loaded, None, host="0.0.0.0", port=0)
     with pytest.raises(FedLookaheadError, match="loopback only"):
         start_endpoint(never_loaded, None, host="10.0.0.1", port=0)
 
@@ -370,6 +370,18 @@ def test_malformed_json_and_missing_chat_template(client, tiny_base_dir):
         response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 400
         assert response.json()["error"]["message"].endswith("has no chat template: use /v1/completions")
+
+
+def test_serve_keeps_the_server_in_the_foreground_and_stops_it_when_it_ends(base_dir, heads_dir, capsys):
+    server = start_endpoint(base_dir, heads_dir, port=0, loading=Loading("cpu"))
+    url = server.url
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    foreground = threading.Thread(target=serve_endpoint, args=(server,))
+    foreground.start()
+    server.server.should_exit = True  # as Ctrl-C ends uvicorn
+    foreground.join(timeout=30)
+    assert not foreground.is_alive() and not server.thread.is_alive()
+    assert f"fedla serve: {url}/v1" in capsys.readouterr().out
 
 
 def test_cli_serve_refuses_other_hosts_and_bad_dtypes(tiny_base_dir):

@@ -1,7 +1,9 @@
-"""Serving the endpoint app with uvicorn on loopback: in a background thread, or in the foreground."""
+"""Serving the endpoint app with uvicorn on loopback, in a background thread (the daemon), kept in the
+foreground by `fedla serve`."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -76,23 +78,15 @@ def start_endpoint(
     return EndpointServer(app, host, port).start()
 
 
-def serve_endpoint(
-    base_dir: Path,
-    heads_dir: Path | None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = DEFAULT_PORT,
-    loading: Loading = Loading(),
-    max_queue: int = DEFAULT_MAX_QUEUE,
-) -> None:
-    """Serve in the foreground until interrupted (a standalone command)."""
-    check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"fedla serve: http://{shown}:{port}/v1 ({app.state.endpoint.describe()}); Ctrl-C stops", flush=True)
+def serve_endpoint(server: EndpointServer) -> None:
+    """Keep a started server in the foreground until Ctrl-C or SIGTERM (a standalone command), then stop it."""
+    print(f"fedla serve: {server.url}/v1 ({server.app.state.endpoint.describe()}); Ctrl-C stops", flush=True)
+    if threading.current_thread() is threading.main_thread():  # a service manager's stop is graceful too
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server.server, "should_exit", True))
     try:
-        uvicorn.run(
-            app, host=host, port=port, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=5
-        )
+        while server.thread.is_alive():
+            server.thread.join(timeout=0.5)  # a timed join lets Ctrl-C through
+    except KeyboardInterrupt:
+        pass
     finally:
-        app.state.endpoint.close()
+        server.stop()
