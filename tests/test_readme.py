@@ -108,3 +108,27 @@ def test_the_readme_is_a_front_page():
     assert contents == [anchor(s) for s in sections]
     assert text.index("make demo") < text.index("make test") < text.index("- [")
     assert len(text.splitlines()) <= 200, "move history and long tables to docs/"
+
+
+def layout_listing() -> set[str]:
+    """The files docs/how-it-works.md's Layout block names, as repository paths."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed, top = set(), None
+    for line in block.splitlines():
+        if re.match(r"^(common|client|server)/ ", line):
+            top = line.split("/")[0]
+        elif top and re.match(r"^  \S+\.py ", line):
+            listed.add(f"{top}/{line.split()[0]}")
+    return listed
+
+
+def test_the_layout_names_every_product_module_and_no_stale_one():
+    listed = layout_listing()
+    on_disk = {
+        str(p.relative_to(REPO))
+        for top in ("common", "client", "server")
+        for p in (REPO / top).rglob("*.py")
+        if p.name != "__init__.py" or p.parent.name == "daemon"  # daemon/__init__.py holds the daemon itself
+    }
+    assert sorted(on_disk - listed) == [] and sorted(listed - on_disk) == []
