@@ -110,7 +110,7 @@ def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | No
         for r in replies
         if not r.has_error()
     ]
-    strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {}, random.Random(0))
+    strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {})
     parameters, _ = strategy.aggregate_fit(1, results, [])
     return None if parameters is None else parameters_to_ndarrays(parameters)
 
