@@ -33,8 +33,6 @@ from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
 from client import device_hooks, secagg
@@ -63,9 +61,9 @@ DEVICE_TRAIN_METRICS = (P.SKIPPED, P.SKIP_REASON, P.EPSILON, P.DELTA, P.DP, P.NO
 def secaggplus_when_needed(msg: Message, context: Context, call_next):
     """`secaggplus_mod` for SecAgg+ stage messages, made robust to a hostile peer's key shares (client/secagg.py);
     plain FedAvg train messages go straight through."""
-    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
+    stage = secagg.secagg_stage(msg)
+    if stage is None:
         return call_next(msg, context)
-    stage = msg.content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.STAGE)
     if stage == SecAggStage.COLLECT_MASKED_VECTORS:
         bad = secagg.screen_ciphertexts(msg, context)
         return secagg.name_bad_sources(secaggplus_mod(msg, context, call_next), bad)

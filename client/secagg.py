@@ -11,12 +11,20 @@ the mod neither keeps a share of that peer nor masks with it, and the peer is na
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message
+from flwr.app.message_type import MessageType
 from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
 from common.federation.protocol import BAD_SHARE_SOURCES
+
+
+def secagg_stage(msg: Message) -> str | None:
+    """The SecAgg+ stage a train message is in; None for a plain FedAvg train message or any other message."""
+    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return None
+    return msg.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE)
 
 
 def screen_ciphertexts(msg: Message, context: Context) -> list[int]:

@@ -17,16 +17,16 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from flwr.app import Context, Message
 from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
 from client.client_app import client_app
 from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+from client.secagg import secagg_stage
 from common.errors import FedLookaheadError
 from server.run.folder import RunFolder
 
@@ -57,6 +57,10 @@ class FaultPlan:
             raise FedLookaheadError(f"faults: unknown key(s) {sorted(set(table) - known)}; known: {sorted(known)}")
         return cls(dropout_rate=float(table.get("dropout-rate", 0.0)), seed=int(table.get("seed", 0)))
 
+    @property
+    def injects(self) -> bool:
+        return self.dropout_rate > 0
+
     def dropped_partitions(self, server_round: int, num_partitions: int) -> set[int]:
         count = int(round(self.dropout_rate * num_partitions))
         return set(random.Random(f"{self.seed}:{server_round}").sample(range(num_partitions), count))
@@ -70,19 +74,24 @@ def is_training_step(msg: Message) -> bool:
     """A plain FedAvg train message, or SecAgg+'s collect-masked-vectors stage (where training runs)."""
     if msg.metadata.message_type != MessageType.TRAIN:
         return False
-    if RECORD_KEY_CONFIGS not in msg.content.config_records:
-        return True
-    return msg.content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.STAGE) == SecAggStage.COLLECT_MASKED_VECTORS
+    return secagg_stage(msg) in (None, SecAggStage.COLLECT_MASKED_VECTORS)
+
+
+def crash_if_planned(msg: Message, context: Context, plan_of: Callable[[], FaultPlan]) -> None:
+    """Raise SimulatedDropout where the plan says this node crashes (asked for only at training steps;
+    the round is the message's group id, as Flower's workflows set it)."""
+    if not is_training_step(msg):
+        return
+    plan, server_round = plan_of(), int(msg.metadata.group_id or 0)
+    if plan.drops(server_round, context.node_config):
+        raise SimulatedDropout(f"simulated dropout in round {server_round} (dropout-rate={plan.dropout_rate})")
 
 
 def dropout_mod(plan: FaultPlan):
-    """A Flower mod: crash instead of training where `plan` says so (the round is the message's group id,
-    as Flower's workflows set it)."""
+    """A Flower mod: crash instead of training where `plan` says so."""
 
     def mod(msg: Message, context: Context, call_next):
-        server_round = int(msg.metadata.group_id or 0)
-        if is_training_step(msg) and plan.drops(server_round, context.node_config):
-            raise SimulatedDropout(f"simulated dropout in round {server_round} (dropout-rate={plan.dropout_rate})")
+        crash_if_planned(msg, context, lambda: plan)
         return call_next(msg, context)
 
     return mod
@@ -110,8 +119,9 @@ def read_plan(run_config: dict) -> FaultPlan:
 
 
 def planned_dropout_mod(msg: Message, context: Context, call_next):
-    """`dropout_mod` with the plan the runner left in this run's folder."""
-    return dropout_mod(read_plan(dict(context.run_config)))(msg, context, call_next)
+    """`dropout_mod` with the plan the runner left in this run's folder (read at training steps only)."""
+    crash_if_planned(msg, context, lambda: read_plan(dict(context.run_config)))
+    return call_next(msg, context)
 
 
 app = client_app(mods=[planned_dropout_mod])

@@ -25,6 +25,7 @@ import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
 
+from common.errors import FedLookaheadError
 from common.federation.config import DEFAULTS, FedConfig
 from server.run.folder import RunFolder
 from simulations.faults import FaultPlan, faulty_app_copy, faulty_client_app, write_plan
@@ -125,16 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     run_config.update({"run-id": run_id, "run-dir": str(run_root)})
     run_config.setdefault("client-state-dir", str(run_dir / "client-state"))
     print(f"scenario {args.scenario}: {scenario.get('description', '')}\nrun {run_id} -> {run_dir}", flush=True)
-    faults = FaultPlan.from_table(scenario.get("faults", {}))
-    warn_if_secagg_cannot_survive(faults, run_config, int(federation.get("num-supernodes", 2)))
+    num_nodes = int(federation.get("num-supernodes", 2))
+    try:
+        faults = FaultPlan.from_table(scenario.get("faults", {}))
+        warn_if_secagg_cannot_survive(faults, run_config, num_nodes)
+    except FedLookaheadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     if args.inprocess:
-        code = _run_inprocess(run_config, int(federation.get("num-supernodes", 2)), run_dir, faults)
+        code = _run_inprocess(run_config, num_nodes, run_dir, faults)
     else:
         from server.superlink import SuperLink
 
         app_dir = REPO
-        if faults != FaultPlan():
+        if faults.injects:
             write_plan(folder, faults)
             app_dir = faulty_app_copy(REPO, run_dir / "app")
         with SuperLink.for_simulation(log_dir=run_dir, cwd=REPO) as link:
@@ -169,11 +175,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def warn_if_secagg_cannot_survive(faults: FaultPlan, run_config: dict, num_nodes: int) -> None:
-    config = FedConfig.from_mapping(run_config)
-    if not config.secagg or faults.dropout_rate == 0:
+    """Raises FedLookaheadError on a run config the ServerApp would refuse (checked here, before the run)."""
+    from server.federation import check_federation
+
+    if not faults.injects:
         return
-    sampled = min(config.clients_this_round(num_nodes), num_nodes)
-    drops, tolerated = int(round(faults.dropout_rate * sampled)), config.secagg_tolerated_dropouts(sampled)
+    config = FedConfig.from_mapping(run_config)
+    if not config.secagg:
+        return
+    plan = check_federation(config, num_nodes)
+    sampled, tolerated = plan["clients_per_round"], plan["tolerated_dropouts"]
+    drops = int(round(faults.dropout_rate * sampled))
     if drops > tolerated:
         print(
             f"warning: dropout-rate {faults.dropout_rate:.2f} drops about {drops} of {sampled} clients, more than "
@@ -194,7 +206,7 @@ def _run_inprocess(run_config: dict, num_nodes: int, run_dir: Path, faults: Faul
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         handlers=[logging.FileHandler(run_dir / "inprocess.log"), logging.StreamHandler()],
     )
-    grid = InProcessGrid(faulty_client_app(faults) if faults != FaultPlan() else client_app, num_nodes, run_config)
+    grid = InProcessGrid(faulty_client_app(faults) if faults.injects else client_app, num_nodes, run_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     run_federation(grid, context, FedConfig.from_mapping(run_config))
     return 0

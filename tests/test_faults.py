@@ -120,3 +120,17 @@ def test_the_flwr_run_mod_reads_the_plan_from_the_run_folder_and_fails_closed_wi
         except SimulatedDropout:
             crashed.append(partition)
     assert crashed == sorted(FaultPlan(dropout_rate=0.5, seed=3).dropped_partitions(1, 2))
+
+
+def test_the_runner_warns_when_the_plan_exceeds_what_secagg_tolerates_and_names_a_bad_table(tmp_path, capsys):
+    from simulations import run as runner
+
+    config = {"secagg": True, "min-train-clients": 4, "min-available-clients": 4}
+    runner.warn_if_secagg_cannot_survive(FaultPlan(dropout_rate=0.25), config, 4)  # 1 of 4: tolerated
+    assert capsys.readouterr().err == ""
+    runner.warn_if_secagg_cannot_survive(FaultPlan(dropout_rate=0.75), config, 4)
+    assert "drops about 3 of 4 clients, more than the 2 SecAgg+ tolerates" in capsys.readouterr().err
+    argv = ["dropout", "--run-dir", str(tmp_path), "--run-id", "bad", "--set", "min-train-clients=99"]
+    assert runner.main(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: min-train-clients (99)")
