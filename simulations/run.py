@@ -3,9 +3,10 @@
 A scenario is a TOML file with a `[federation]` table (num-supernodes, client-resources-num-cpus: the
 simulation's `--federation-config`), a `[run-config]` table (overrides of [tool.flwr.app.config]) and
 an optional `[faults]` table (simulations/faults.py: clients that crash mid-round, injected by a mod
-the product's ClientApp does not have); `base = "other"` inherits another scenario. The runner starts a private local SuperLink (its own
-ports and FLWR_HOME, see server/superlink.py), submits `flwr run . local --run-config ...
---federation-config ... --stream`, waits for the run to end and stops every process it started.
+the product's ClientApp does not have); `base = "other"` inherits another scenario. The runner
+starts a private local SuperLink (its own ports and FLWR_HOME, see server/superlink.py), submits
+`flwr run . local --run-config ... --federation-config ... --stream` (with faults: `flwr run` of a
+copy of the app whose ClientApp carries them), waits for the run to end and stops every process it started.
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
 flwr.log and prints the per-round table.
 

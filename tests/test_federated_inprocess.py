@@ -38,8 +38,9 @@ def recording_app(
     sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None, outer_mods=()
 ) -> ClientApp:
     """The real train and evaluate handlers, recording each client's plain update before SecAgg+ masks
-    it; `outer_mods` wrap everything (as a simulation's fault injection does); `corrupt*` change a client's train reply, masked vector, evaluation metrics or any SecAgg+ stage's
-    reply record on the way out (`corrupt_stage(node, stage, record, earlier)`, `earlier`: (stage, node) ->
+    it; `outer_mods` wrap everything (as a simulation's fault injection does); `corrupt*` change a
+    client's train reply, masked vector, evaluation metrics or any SecAgg+ stage's reply record on the
+    way out (`corrupt_stage(node, stage, record, earlier)`, `earlier`: (stage, node) ->
     the records the other clients sent so far, for replays)."""
     earlier: dict = {}
 
