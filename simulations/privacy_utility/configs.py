@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulations.privacy_utility.corpus import PACKAGES
+from common.data.packages import PRIVATE_PACKAGES
 
 EPSILONS = (1, 2, 4, 8)
 DELTA = 1e-5
@@ -22,7 +22,7 @@ class Scale:
     batch_size: int = 16
     lr: float = 1e-3
     max_files_per_package: int = 0  # 0: every .py file
-    packages: tuple[str, ...] = PACKAGES
+    packages: tuple[str, ...] = PRIVATE_PACKAGES
     tricks: bool = True
     user_dp: bool = True
     validate_prompts: int = 3
@@ -41,7 +41,7 @@ QUICK = Scale(
     batch_size=4,
     lr=1e-3,
     max_files_per_package=3,
-    packages=PACKAGES[:8],
+    packages=PRIVATE_PACKAGES[:8],
     tricks=False,
     user_dp=True,
     validate_prompts=1,

@@ -8,32 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
-
-PACKAGES = (
-    "click",
-    "attr",
-    "requests",
-    "yaml",
-    "httpx",
-    "dateutil",
-    "urllib3",
-    "pyparsing",
-    "anyio",
-    "starlette",
-    "markdown_it",
-    "tqdm",
-)
-
-
-def site_packages() -> Path:
-    import click  # any installed third-party package: its parent is site-packages
-
-    return Path(click.__file__).resolve().parents[1]
+from common.data.packages import package_sources, site_packages
 
 
 def private_corpus(packages: tuple[str, ...], max_files: int, root: Path) -> Path:
     """A folder with one sub-folder per package holding its .py sources (copied once, then reused)."""
-    tag = f"{'-'.join(packages)}-{max_files}"
+    tag = f"{'-'.join(packages)}-{max_files}-no-tests"
     import hashlib
 
     folder = root / f"private-{hashlib.sha256(tag.encode()).hexdigest()[:12]}"
@@ -43,7 +23,7 @@ def private_corpus(packages: tuple[str, ...], max_files: int, root: Path) -> Pat
         shutil.rmtree(folder)
     source = site_packages()
     for package in packages:
-        files = sorted((source / package).rglob("*.py"))
+        files = package_sources(package)
         if max_files:
             files = sorted(files, key=lambda p: (-p.stat().st_size, str(p)))[:max_files]
         for path in files:

@@ -1,0 +1,95 @@
+"""Third-party code on this machine, split by rule into public training data, held-out benchmark code
+and the simulations' private users.
+
+The packages are the top-level Python packages installed in this environment's site-packages with at
+least MIN_SOURCE_BYTES of source (test folders excluded). Each belongs to exactly one split:
+
+- private: PRIVATE_PACKAGES, the users' code in the federated simulations (never public, never a
+  benchmark);
+- heldout: the rest whose name hashes (crc32) into bucket 0 of HELDOUT_BUCKETS, the third-party
+  benchmark set no training path reads (`fedla bench-decode`'s default);
+- public: all others, which `fedla train-heads` may add to the stdlib's training split.
+
+The rule hashes names, so a package keeps its split on every machine that installs it; which packages
+a split holds depends on what is installed (the JSON of a benchmark lists them).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+from common.errors import FedLookaheadError
+
+PRIVATE_PACKAGES = (
+    "click",
+    "attr",
+    "requests",
+    "yaml",
+    "httpx",
+    "dateutil",
+    "urllib3",
+    "pyparsing",
+    "anyio",
+    "starlette",
+    "markdown_it",
+    "tqdm",
+)
+SPLITS = ("public", "heldout", "private")
+HELDOUT_BUCKETS = 10
+MIN_SOURCE_BYTES = 100_000  # smaller packages are mostly stubs and re-exports
+EXCLUDED_PARTS = {"tests", "test", "testing", "__pycache__", "_vendor", "vendor"}
+# This project's own code is neither public data nor a benchmark of itself.
+OWN_PACKAGES = {"client", "common", "server", "simulations"}
+
+
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def package_sources(name: str, root: Path | None = None) -> list[Path]:
+    """The package's .py files, sorted, without its tests and vendored copies."""
+    folder = (root or site_packages()) / name
+    return sorted(
+        path for path in folder.rglob("*.py") if not EXCLUDED_PARTS.intersection(path.relative_to(folder).parts)
+    )
+
+
+def split_of(name: str) -> str:
+    """The split a package belongs to, by name alone (see the module docstring)."""
+    if name in PRIVATE_PACKAGES:
+        return "private"
+    return "heldout" if zlib.crc32(name.encode()) % HELDOUT_BUCKETS == 0 else "public"
+
+
+def installed_packages(root: Path | None = None) -> list[str]:
+    """Top-level packages in site-packages with at least MIN_SOURCE_BYTES of source, sorted by name."""
+    root = root or site_packages()
+    names = []
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith("_") or folder.name in OWN_PACKAGES or not (folder / "__init__.py").is_file():
+            continue
+        if sum(path.stat().st_size for path in package_sources(folder.name, root)) >= MIN_SOURCE_BYTES:
+            names.append(folder.name)
+    return names
+
+
+def packages(split: str, root: Path | None = None) -> list[str]:
+    """The installed packages of one split."""
+    if split not in SPLITS:
+        raise FedLookaheadError(f"unknown package split {split!r}: use {', '.join(SPLITS)}")
+    return [name for name in installed_packages(root) if split_of(name) == split]
+
+
+def interleaved_sources(names: list[str], root: Path | None = None) -> list[Path]:
+    """The packages' sources, one file of each package in turn, so that any prefix of the list (a
+    benchmark's first N prompts, a training budget's first N chunks) spreads over every package rather
+    than exhausting the first one alphabetically."""
+    queues = [package_sources(name, root) for name in names]
+    files: list[Path] = []
+    for rank in range(max((len(queue) for queue in queues), default=0)):
+        files.extend(queue[rank] for queue in queues if rank < len(queue))
+    if not files:
+        raise FedLookaheadError(f"no installed package sources for {', '.join(names) or 'an empty package list'}")
+    return files
