@@ -2,9 +2,10 @@
 
     generate(base, prompt_ids, mode="ams" | "greedy" | "beam" | "fused", heads=..., ...) -> GenerationResult
 
-- "ams": lossless speculative decoding. The lookahead heads (plus prompt lookup) draft a tree of
-  continuations; the base scores the whole tree in one forward with a tree attention mask; the
-  longest prefix the base agrees with is kept, plus the base's own next token. Greedy output equals
+- "ams": lossless speculative decoding. The lookahead heads, prompt lookup and (when one is given) a
+  datastore of the device's own files draft a tree of continuations; the base scores the whole tree in
+  one forward with a tree attention mask; the longest prefix the base agrees with is kept, plus the
+  base's own next token. Greedy output equals
   `model.generate(do_sample=False)` token for token (checked in fp32); with temperature / top-p the
   output distribution equals the base's (tree speculative sampling).
 - "greedy": plain decoding with the KV cache, one token per forward (samples when temperature > 0).
@@ -33,8 +34,10 @@ from common.decoding.core import (
     make_generator,
     sampling_probs,
 )
+from common.decoding.datastore import Datastore
 from common.decoding.decoders import UnsupportedCache, ams_decode, beam_decode, fused_decode, greedy_decode
-from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter, NgramIndex
+from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
+from common.decoding.prompt_lookup import NgramIndex
 from common.errors import FedLookaheadError
 from common.heads.lookahead import DraftHeads, base_mismatch
 from common.model.attention import EXACT_ATTENTION, GQA_ATTENTION
@@ -49,6 +52,7 @@ __all__ = [
     "MODES",
     "AmsPolicy",
     "CostCurve",
+    "Datastore",
     "DecodingFallbackWarning",
     "DegenerationGuard",
     "GenerationResult",
@@ -111,6 +115,7 @@ def generate(
     curve: CostCurve | None = None,
     stopper: Stopper | None = None,
     compiled: bool = False,
+    datastore: Datastore | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` (batch size 1); see the module docstring.
 
@@ -118,6 +123,7 @@ def generate(
     device and cached, see calibration.py); unused unless `policy.cost_aware`.
     `stopper`: a caller's Stopper (the endpoint's streaming one, which sees every accepted step) in
     place of the one built from max_new_tokens, stop_strings and degeneration_guard.
+    `datastore`: an index of the device's own files (datastore.py), drafted from beside the heads.
     """
     if mode not in MODES:
         raise FedLookaheadError(f"unknown decoding mode {mode!r}: use one of {', '.join(MODES)}")
@@ -159,6 +165,7 @@ def generate(
                     curve,
                     reproducible=temperature > 0 and seed is not None,
                     compiled=compiled,
+                    datastore=datastore,
                 )
             except UnsupportedCache as exc:
                 warnings.warn(

@@ -15,6 +15,7 @@ import torch
 
 from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner, StaticRunner, Stopper, sampling_probs
+from common.decoding.datastore import Datastore
 from common.decoding.drafting import AmsPolicy, HeadsTreeDrafter
 from common.decoding.tree import (
     TreeSpecCache,
@@ -69,6 +70,7 @@ def ams_decode(
     curve: CostCurve | None = None,
     reproducible: bool = False,
     compiled: bool = False,
+    datastore: Datastore | None = None,
 ) -> tuple[list[int], int, str, dict]:
     """AMS-LD: draft a tree, verify it in one forward, keep the longest accepted path plus the bonus token.
 
@@ -76,11 +78,12 @@ def ams_decode(
     `reproducible`: do not feed step wall times back into tree sizing, so that a seeded sampling run
     draws the same random numbers for the same trees every time.
     `compiled`: verify in a compiled static-cache graph (`StaticRunner`) instead of eagerly.
+    `datastore`: the device's own files, a third source of drafts.
     """
     device = base.device
     width = policy.max_nodes + 1
     runner = StaticRunner.shared(base, width, ids.shape[1] + stopper.limit) if compiled else BaseRunner(base)
-    drafter = HeadsTreeDrafter(heads, policy, curve)
+    drafter = HeadsTreeDrafter(heads, policy, curve, datastore)
     specs = TreeSpecCache(base.dtype, device)
     sampling = temperature > 0
     max_positions = base.max_positions

@@ -1,4 +1,5 @@
-"""Drafting for AMS-LD: the policy, the heads' tree drafter, the n-gram source and the cost model.
+"""Drafting for AMS-LD: the policy, the tree drafter over its three sources (the heads, prompt lookup and
+the device's datastore), and the cost model.
 
 The decoder talks to a drafter through a small interface, in the spirit of transformers'
 `CandidateGenerator` (`get_candidates` / `update_candidate_strategy`), split in two so that the
@@ -22,7 +23,8 @@ prefix is empty, the step is plain decoding, and the heads are only consulted ag
 The estimates a_i: the heads' path probability (product of softmax probabilities along the path),
 scaled per depth by how often drafts at that depth were accepted so far in this generation
 (observed / predicted, with a prior of `prior_steps` steps at face value); the n-gram chain's j-th
-token is estimated by how often its chains reached length j in this generation.
+token is estimated by how often its chains reached length j in this generation; a datastore node by
+the share of the matched occurrences that continued that way, scaled per depth like the heads'.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Sequence
 import torch
 
 from common.decoding.calibration import CostCurve
+from common.decoding.datastore import Datastore
+from common.decoding.prompt_lookup import NgramIndex
 from common.heads.lookahead import DraftHeads, DraftState
 
 
@@ -52,7 +56,9 @@ class AmsPolicy:
     are expanded by their `top_k` best next tokens, up to `max_depth` (0: as many steps as there
     are heads). The n-gram source (prompt lookup over prompt and output) adds one chain whose
     length follows transformers' heuristic schedule (+2 after full acceptance, -1 otherwise) within
-    [`ngram_min_len`, `ngram_max_len`].
+    [`ngram_min_len`, `ngram_max_len`]. A datastore (the device's own files, given to the drafter) adds
+    the trie of what followed the longest match of the context's end there (at least
+    `datastore_min_match` tokens), `datastore_depth` deep over at most `datastore_samples` occurrences.
 
     Tree size: with `cost_aware` the cost model above picks the size (at most `max_nodes` drafted
     nodes); without it, every candidate whose path probability is at least `min_path_prob` is
@@ -76,6 +82,9 @@ class AmsPolicy:
     ngram_init_len: int = 6
     ngram_min_len: int = 2
     ngram_max_len: int = 16
+    datastore_min_match: int = 2
+    datastore_depth: int = 12
+    datastore_samples: int = 64
     fused_alpha: float = 0.5
     fused_top_m: int = 4
     beam_width: int = 4
@@ -87,47 +96,8 @@ class AmsPolicy:
             raise ValueError("AmsPolicy needs 0 <= min_path_prob < 1, prior_steps >= 0 and probe_every >= 1")
         if not 1 <= self.ngram_min_len <= self.ngram_init_len <= self.ngram_max_len or not self.ngram_sizes:
             raise ValueError("AmsPolicy needs 1 <= ngram_min_len <= ngram_init_len <= ngram_max_len and ngram sizes")
-
-
-class NgramIndex:
-    """Prompt lookup: continue the context's last n tokens the way their most recent earlier occurrence did.
-
-    Tables map every n-gram (n in `sizes`) to the position where it last ended; they are updated
-    incrementally as the context grows, so a lookup costs a few dict accesses, not a scan. A match
-    that runs into the end of the context continues periodically (a repetition loop predicts itself).
-    """
-
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self.sizes = sorted(set(sizes), reverse=True)
-        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.indexed = 0  # n-grams ending at positions < indexed are in the tables
-
-    def _extend(self, context: Sequence[int]) -> None:
-        last = len(context) - 1  # the n-grams ending at the last position are the ones we look up
-        if last < self.indexed:  # not the context this index was built on (contexts only grow)
-            self.tables = {n: {} for n in self.sizes}
-            self.indexed = 0
-        for end in range(self.indexed, last):
-            for n in self.sizes:
-                if end + 1 >= n:
-                    self.tables[n][tuple(context[end + 1 - n : end + 1])] = end
-        self.indexed = max(self.indexed, last)
-
-    def lookup(self, context: Sequence[int], length: int) -> list[int]:
-        self._extend(context)
-        total = len(context)
-        for n in self.sizes:
-            if total <= n:
-                continue
-            end = self.tables[n].get(tuple(context[total - n :]))
-            if end is None:
-                continue
-            continuation: list[int] = []
-            for i in range(length):
-                j = end + 1 + i
-                continuation.append(context[j] if j < total else continuation[j - total])
-            return continuation
-        return []
+        if self.datastore_min_match < 1 or self.datastore_depth < 1 or self.datastore_samples < 1:
+            raise ValueError("AmsPolicy needs datastore_min_match, datastore_depth and datastore_samples >= 1")
 
 
 @dataclass
@@ -138,6 +108,7 @@ class Candidate:
     estimate: float  # estimated probability that the base accepts the whole path to this node
     head_p: float = 0.0  # the heads' own path probability (0: not a head candidate)
     chain_pos: int = 0  # position in the n-gram chain (0: not on it)
+    store_share: float = 0.0  # share of the datastore's occurrences that continue along this path (0: none)
 
 
 def choose_tree(
@@ -169,16 +140,22 @@ def choose_tree(
 
 
 class AcceptanceModel:
-    """Per-depth calibration of the heads' confidence, and the n-gram chain's hit rates, in one generation."""
+    """Per-depth calibration of the heads' confidence and the datastore's shares, and the n-gram chain's hit
+    rates, in one generation."""
 
-    def __init__(self, depth: int, chain_len: int, prior: float) -> None:
+    def __init__(self, depth: int, chain_len: int, store_depth: int, prior: float) -> None:
         self.predicted = [prior] * (depth + 1)  # sum of head path probabilities proposed at each depth
         self.observed = [prior] * (depth + 1)  # accepted head nodes at each depth
+        self.store_predicted = [prior] * (store_depth + 1)  # the same for the datastore's shares
+        self.store_observed = [prior] * (store_depth + 1)
         self.chain_tries = [0.0] * (chain_len + 1)
         self.chain_hits = [0.0] * (chain_len + 1)
 
     def head_scale(self, depth: int) -> float:
         return self.observed[depth] / self.predicted[depth] if self.predicted[depth] > 0 else 1.0
+
+    def store_scale(self, depth: int) -> float:
+        return self.store_observed[depth] / self.store_predicted[depth]
 
     def chain_rate(self, position: int) -> float:
         """P(a chain reaches this position | proposed), Laplace-smoothed."""
@@ -194,14 +171,24 @@ class AcceptanceModel:
             if node.chain_pos:
                 self.chain_tries[node.chain_pos] += 1.0
                 self.chain_hits[node.chain_pos] += hit
+            if node.store_share > 0:
+                self.store_predicted[node.depth] += node.store_share
+                self.store_observed[node.depth] += hit
 
 
 class HeadsTreeDrafter:
-    """Draft trees from the lookahead heads (plus the n-gram source), sized by the cost model."""
+    """Draft trees from the lookahead heads, prompt lookup and the datastore, sized by the cost model."""
 
-    def __init__(self, heads: DraftHeads | None, policy: AmsPolicy, curve: CostCurve | None = None) -> None:
+    def __init__(
+        self,
+        heads: DraftHeads | None,
+        policy: AmsPolicy,
+        curve: CostCurve | None = None,
+        datastore: Datastore | None = None,
+    ) -> None:
         self.heads = heads
         self.policy = policy
+        self.datastore = datastore
         num_heads = heads.num_heads if heads is not None and policy.heads else 0
         self.head_depth = num_heads if policy.max_depth <= 0 else min(policy.max_depth, num_heads)
         self.curve = curve if policy.cost_aware else None
@@ -211,7 +198,9 @@ class HeadsTreeDrafter:
         policy = self.policy
         self.ngram = NgramIndex(policy.ngram_sizes) if policy.ngram else None
         self.ngram_len = policy.ngram_init_len
-        self.acceptance = AcceptanceModel(max(self.head_depth, 1), policy.ngram_max_len, policy.prior_steps)
+        self.acceptance = AcceptanceModel(
+            max(self.head_depth, 1), policy.ngram_max_len, policy.datastore_depth, policy.prior_steps
+        )
         self.cache = self.heads.new_cache() if self.heads is not None else None  # eagle: the drafter's context
         self._tree: list[Candidate] = []
         self._chain: list[int] = []
@@ -220,7 +209,7 @@ class HeadsTreeDrafter:
         # drafts that no tree takes only cost time (on a CPU the heads' vocab products are ~10% of a step)
         self.depth_in_use = self.head_depth
         self.fixed_seconds = 0.0  # EMA of a step's cost beyond the verify forward (drafting, bookkeeping)
-        self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0, "plain_steps": 0}
+        self.stats = {"steps": 0, "accepted": 0, "nodes": 0, "ngram_steps": 0, "store_steps": 0, "plain_steps": 0}
 
     # -------------------------------------------------------------------- device side
     def _heads_due(self) -> bool:
@@ -315,11 +304,14 @@ class HeadsTreeDrafter:
                 cand.chain_pos = pos
                 cand.estimate = max(cand.estimate, rate if node < 0 else min(rate, candidates[node].estimate))
                 node = index
+        store_nodes = self._merge_store_draft(candidates, children, context, max_depth)
         chosen = choose_tree(
             candidates, self.curve, self.policy.max_nodes, self.policy.min_path_prob, self.fixed_seconds
         )
         if self._chain and any(candidates[i].chain_pos for i in chosen):
             self.stats["ngram_steps"] += 1
+        if store_nodes and any(candidates[i].store_share for i in chosen):
+            self.stats["store_steps"] += 1
         position = {c: n for n, c in enumerate(chosen, start=1)}
         tokens = [root] + [candidates[i].token for i in chosen]
         parents = [-1] + [0 if candidates[i].parent < 0 else position[candidates[i].parent] for i in chosen]
@@ -331,6 +323,41 @@ class HeadsTreeDrafter:
         if not chosen:
             self.stats["plain_steps"] += 1
         return tokens, tuple(parents)
+
+    def _merge_store_draft(
+        self,
+        candidates: list[Candidate],
+        children: dict[tuple[int, int], int],
+        context: Sequence[int],
+        max_depth: int,
+    ) -> int:
+        """Add the datastore's trie to `candidates` (merging nodes the other sources drafted); returns how many
+        of its nodes it added or marked."""
+        policy = self.policy
+        if self.datastore is None or max_depth < 1:
+            return 0
+        draft = self.datastore.draft(
+            context, min(policy.datastore_depth, max_depth), policy.datastore_samples, policy.datastore_min_match
+        )
+        if draft is None:
+            return 0
+        acceptance = self.acceptance
+        position: list[int] = []  # the trie's node -> its index in `candidates`
+        for token, parent, share in zip(draft.tokens, draft.parents, draft.shares):
+            node = -1 if parent < 0 else position[parent]
+            depth = 1 if node < 0 else candidates[node].depth + 1
+            estimate = min(1.0, share * acceptance.store_scale(depth))
+            if node >= 0:
+                estimate = min(estimate, candidates[node].estimate)
+            index = children.get((node, token))
+            if index is None:
+                index = children[(node, token)] = len(candidates)
+                candidates.append(Candidate(token, node, depth, 0.0))
+            cand = candidates[index]
+            cand.store_share = share
+            cand.estimate = max(cand.estimate, estimate)
+            position.append(index)
+        return len(position)
 
     def feedback(self, accepted_path: Sequence[int], step_seconds: float = 0.0) -> None:
         """`accepted_path`: tree-node indices of the accepted drafted nodes (root excluded), in order;
