@@ -129,22 +129,32 @@ def client_serve_cmd(
     max_queue: int = typer.Option(
         DEFAULT_MAX_QUEUE, min=1, help="Requests waiting or running beyond this are answered 503."
     ),
+    datastore: Optional[Path] = typer.Option(
+        None,
+        help="Your own files for AMS-LD to draft from as well, indexed once into <state-dir>/datastore "
+        "(default: the data folder `fedla client` was last given on this state folder, if any).",
+    ),
 ) -> None:
     """The OpenAI-compatible local endpoint alone (/v1/completions, /v1/chat/completions, streaming), AMS-LD
     with the newest global heads, swapped between requests when a round delivers new ones."""
     from client.endpoint.server import serve_endpoint, start_endpoint
-    from client.state import StateDir
+    from client.node_config import DATA_DIR_KEY
+    from client.state import StateDir, read_node_config
     from common.model.default import resolve_base
     from common.paths import default_state_dir
 
+    state = StateDir((state_dir or default_state_dir()).expanduser())
+    own_files = datastore or (Path(folder) if (folder := read_node_config(state.root).get(DATA_DIR_KEY)) else None)
     try:
         server = start_endpoint(
             resolve_base(base),
-            heads or StateDir(state_dir or default_state_dir()).latest_heads,
+            heads or state.latest_heads,
             host=host,
             port=port,
             max_queue=max_queue,
             loading=base_loading(device, dtype),
+            datastore_dir=own_files,
+            datastore_cache=state.datastore,
         )
     except FedLookaheadError as exc:
         fail(str(exc))

@@ -15,12 +15,14 @@ once by `StateDir` below:
                                 evaluation), which the daemon turns into one log line per round
     chunks/                     the device's private files, tokenised (client.corpus; private text)
     features/                   the base's features of those chunks (common.data.features; private)
+    datastore/                  the suffix-array index of those files the endpoint drafts from
+                                (common.decoding.datastore; private, never sent)
     node-config.toml, supernode.log, daemon.json, flwr-home/   written by the daemon
     daemon.lock                 held by the one `fedla client` running on this folder (holds its pid)
     ledger.lock                 held by a round from reading the ledger to writing it (and by a reset)
 
-`fedla client status` reads this folder (client.status); `fedla client forget` deletes chunks/ and
-features/ but never the ledger and its marker.
+`fedla client status` reads this folder (client.status); `fedla client forget` deletes chunks/,
+features/ and datastore/ but never the ledger and its marker.
 
 When node config `heads-dir` is set (the daemon sets it to `common.paths.default_heads_dir()`,
 i.e. $FEDLA_HEADS or <cache>/heads/latest, unless told otherwise), the newest heads are also
@@ -57,13 +59,14 @@ class StateDir:
     EVENTS: ClassVar[str] = "events.jsonl"
     CHUNKS: ClassVar[str] = "chunks"
     FEATURES: ClassVar[str] = "features"
+    DATASTORE: ClassVar[str] = "datastore"
     NODE_CONFIG: ClassVar[str] = "node-config.toml"
     SUPERNODE_LOG: ClassVar[str] = "supernode.log"
     DAEMON_STATUS: ClassVar[str] = "daemon.json"
     FLWR_HOME: ClassVar[str] = "flwr-home"
     DAEMON_LOCK: ClassVar[str] = "daemon.lock"
     LEDGER_LOCK: ClassVar[str] = "ledger.lock"
-    PRIVATE_CACHES: ClassVar[tuple[str, ...]] = (CHUNKS, FEATURES)  # what `fedla client forget` deletes
+    PRIVATE_CACHES: ClassVar[tuple[str, ...]] = (CHUNKS, FEATURES, DATASTORE)  # what `fedla client forget` deletes
 
     @property
     def ledger(self) -> Path:
@@ -92,6 +95,10 @@ class StateDir:
     @property
     def features(self) -> Path:
         return self.root / self.FEATURES
+
+    @property
+    def datastore(self) -> Path:
+        return self.root / self.DATASTORE
 
     @property
     def node_config(self) -> Path:

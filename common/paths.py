@@ -16,6 +16,11 @@ def calibration_dir() -> Path:
     return cache_root() / "calibration"
 
 
+def datastore_cache_dir() -> Path:
+    """Where `fedla generate` and `bench-decode` cache the indexes of --datastore folders."""
+    return cache_root() / "datastores"
+
+
 # A heads folder keeps its newest heads under heads/latest: the daemon publishes there, `fedla generate` reads there.
 LATEST_HEADS = Path("heads") / "latest"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from common.data.chunks import prompts_from_files, stdlib_files
-from common.decoding.bench import heldout_quality, quality_chunks
 from common.decoding.calibration import measure_cost_curve
+from common.decoding.fidelity import heldout_quality, quality_chunks
 from common.model.base import DTYPES, load_base
 from common.model.default import ensure_default_base
 from common.model.int8_kernels import cpu_info, describe_cpu

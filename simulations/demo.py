@@ -28,7 +28,7 @@ import torch
 
 from common.data.chunks import prompts_from_files, stdlib_files
 from common.decoding import generate
-from common.decoding.bench import decode_benchmark, format_table
+from common.decoding.bench import Setting, decode_benchmark, format_table
 from common.heads.lookahead import DraftHeads
 from common.model.base import load_base, prompt_ids
 from common.model.default import ensure_default_base
@@ -96,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== 5/6 speed, side by side in one process (held-out stdlib code, batch size 1)", flush=True)
     prompts = prompts_from_files(stdlib_files("heldout"), base.tokenizer, args.prompts, 64)
     bench = decode_benchmark(
-        base, heads, prompts, args.max_new_tokens, modes=("hf_greedy", "hf_prompt_lookup", "ams", "ams_heads_only")
+        Setting(base, heads),
+        prompts,
+        args.max_new_tokens,
+        modes=("hf_greedy", "hf_prompt_lookup", "ams", "ams_heads_only"),
     )
     print(format_table(bench))
     (run_dir / "bench_decode.json").write_text(json.dumps(bench, indent=2))
-    speedup = bench["speedup_vs_hf_greedy"]["ams"]
+    speedup = bench["speedup"]["ams"]
     row = bench["modes"]["ams"]
     lossless = all(d["near_tie"] for d in row["divergences"])  # only fp rounding ties may differ
     print(

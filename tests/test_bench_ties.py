@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.decoding.bench import NEAR_TIE, DivergenceJudge, near_tie_gap
+from common.decoding.fidelity import NEAR_TIE, DivergenceJudge, near_tie_gap
 from common.model.base import load_base
 
 

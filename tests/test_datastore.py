@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.data.chunks import text_files
 from common.decoding import AmsPolicy, Datastore, generate
 from common.decoding.datastore import SEPARATOR, SORTED_PREFIX, datastore_for, reversed_suffix_array
 from common.errors import FedLookaheadError
@@ -83,25 +84,25 @@ def test_datastore_is_cached_per_file_state_and_a_damaged_cache_is_rebuilt(tmp_p
     folder.mkdir()
     (folder / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
     cache = tmp_path / "cache"
-    store = datastore_for(folder, tiny_tokenizer, cache, progress=False)
+    store = datastore_for(text_files(folder), tiny_tokenizer, cache, progress=False)
     (index,) = cache.iterdir()
-    again = datastore_for(folder, tiny_tokenizer, cache, progress=False)
+    again = datastore_for(text_files(folder), tiny_tokenizer, cache, progress=False)
     assert np.array_equal(again.stream, store.stream) and np.array_equal(again.suffixes, store.suffixes)
     (folder / "b.py").write_text("import os\n")  # another file: another index
-    datastore_for(folder, tiny_tokenizer, cache, progress=False)
+    datastore_for(text_files(folder), tiny_tokenizer, cache, progress=False)
     assert len(list(cache.iterdir())) == 2
     (folder / "b.py").unlink()
     index.write_bytes(b"not an index")  # a damaged cache is rebuilt, not trusted
     with pytest.raises(FedLookaheadError, match="unreadable"):
         Datastore.load(index)
-    rebuilt = datastore_for(folder, tiny_tokenizer, cache, progress=False)
+    rebuilt = datastore_for(text_files(folder), tiny_tokenizer, cache, progress=False)
     assert np.array_equal(rebuilt.suffixes, store.suffixes)
     Datastore.load(index)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("   \n")
     with pytest.raises(FedLookaheadError, match="no readable text"):
-        datastore_for(empty, tiny_tokenizer, cache, progress=False)
+        datastore_for(text_files(empty), tiny_tokenizer, cache, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from common.decoding import (
     load_heads,
     sampling_probs,
 )
-from common.decoding.bench import decode_benchmark
+from common.decoding.bench import Setting, decode_benchmark
 from common.decoding.calibration import CostCurve
 from common.decoding.core import BaseRunner, StaticRunner
 from common.decoding.drafting import Candidate, choose_tree
@@ -825,6 +825,16 @@ def test_cli_generate(tiny_base_dir, cli_heads, tmp_path, monkeypatch):
         compiled = runner.invoke(app, common + ["--prompt", "def add(a, b):", "--heads", str(cli_heads), "--compiled"])
     assert compiled.exit_code == 0 and "[ams]" in compiled.output, compiled.output
     assert compiled.output.splitlines()[0] == result.output.splitlines()[0]  # the same text
+    own_files = tmp_path / "own"
+    own_files.mkdir()
+    (own_files / "add.py").write_text("def add(a, b):\n    return a + b\n" * 8)
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "home"))
+    stored = runner.invoke(
+        app, common + ["--prompt", "def add(a, b):", "--heads", str(cli_heads), "--datastore", str(own_files)]
+    )
+    assert stored.exit_code == 0 and "steps drafted from the datastore" in stored.output, stored.output
+    assert stored.output.splitlines()[0] == result.output.splitlines()[0]  # lossless: the same text
+    assert list((tmp_path / "home" / "datastores").glob("datastore-*.npz"))  # indexed once, cached
     prompt_file = tmp_path / "prompt.py"
     prompt_file.write_text("import os\n")
     monkeypatch.setenv("FEDLA_HEADS", str(tmp_path / "no-heads-here"))
@@ -909,22 +919,75 @@ def test_cli_bench_decode(tiny_base_dir, cli_heads, tmp_path):
     summary = json.loads(out.read_text())
     assert set(summary) == {
         "modes",
-        "speedup_vs_hf_greedy",
+        "reference",
+        "temperature",
+        "speedup",
+        "speedup_without_loops",
         "prompts",
+        "prompt_tokens",
         "max_new_tokens",
         "cost_curve",
-        "greedy_outputs_ending_in_a_loop",
+        "outputs_ending_in_a_loop",
+        "loop_share",
+        "benchmark_set",
         "hardware",
     }
     assert summary["hardware"]["cpu"]["model"] and summary["hardware"]["precision"] == "float32"
-    assert 0 <= summary["greedy_outputs_ending_in_a_loop"] <= 2
+    assert summary["reference"] == "hf_greedy" and summary["temperature"] == 0.0
+    assert summary["loop_share"] == summary["outputs_ending_in_a_loop"] / 2
+    assert summary["prompt_tokens"] == [16, 16]
+    assert len(summary["benchmark_set"]["prompt_files"]) == 2
     assert set(summary["modes"]) == {"hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only"}
     assert summary["cost_curve"]["1"] == 1.0 and all(c > 0 for c in summary["cost_curve"].values())
-    assert set(summary["speedup_vs_hf_greedy"]) == set(summary["modes"])
+    assert set(summary["speedup"]) == set(summary["speedup_without_loops"]) == set(summary["modes"])
     for row in summary["modes"].values():
         assert set(row) == {"tokens_per_s", "tau", "identical_to_hf_greedy", "mismatches", "divergences"}
         assert row["identical_to_hf_greedy"] is True and row["mismatches"] == 0 and row["tokens_per_s"] > 0
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8
+
+
+def test_cli_bench_decode_default_set_datastore_and_sampling(tiny_base_dir, cli_heads, tmp_path, monkeypatch):
+    """The default prompts are the third-party held-out packages, listed with their rule; --datastore indexes
+    a folder without the prompts' own files; --temperature benchmarks against sampling generate."""
+    from common.data.packages import packages
+
+    monkeypatch.setenv("FEDLA_HOME", str(tmp_path / "home"))
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    for path in stdlib_files("heldout")[:3]:
+        shutil.copy(path, store_dir / path.name)
+    common = ["--base", str(tiny_base_dir), "--heads", str(cli_heads), "--prompts", "2", "--prompt-tokens", "16"]
+    common += ["--max-new-tokens", "8", "--device", "cpu"]
+    out = tmp_path / "third_party.json"
+    result = CliRunner().invoke(app, ["bench-decode", *common, "--modes", "hf_greedy,ams", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    described = json.loads(out.read_text())["benchmark_set"]
+    assert described["name"] == "third-party held-out" and described["packages"] == packages("heldout")
+    assert all(any(f"/{name}/" in path for name in described["packages"]) for path in described["prompt_files"])
+
+    out = tmp_path / "store.json"
+    result = CliRunner().invoke(
+        app, ["bench-decode", *common, "--data", str(store_dir), "--datastore", str(store_dir), "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert {"ams_datastore", "ams_datastore_only"} <= set(summary["modes"])
+    assert summary["datastore"]["files"] == 3 - len(summary["benchmark_set"]["prompt_files"])  # prompts left out
+    assert all(row["identical_to_hf_greedy"] for row in summary["modes"].values())
+
+    out = tmp_path / "sampled.json"
+    result = CliRunner().invoke(app, ["bench-decode", *common, "--temperature", "0.7", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert summary["reference"] == "hf_sample" and set(summary["modes"]) == {
+        "hf_sample",
+        "hf_prompt_lookup_sample",
+        "ams",
+        "ams_heads_only",
+    }
+    assert all(set(row) == {"tokens_per_s", "tau"} for row in summary["modes"].values())
+    result = CliRunner().invoke(app, ["bench-decode", *common, "--temperature", "0.7", "--modes", "hf_sample,greedy"])
+    assert result.exit_code != 0 and "greedy-only" in result.output
 
 
 def test_bench_compiled_modes_match_greedy(tiny_base):
@@ -933,7 +996,7 @@ def test_bench_compiled_modes_match_greedy(tiny_base):
     base = perturb(load_base(tiny_base.path, device="cpu"), seed=4)
     prompts = [torch.arange(3, 3 + n) for n in (12, 9)]
     modes = ("hf_greedy", "hf_compiled", "ams_compiled")
-    summary = decode_benchmark(base, noisy_heads(base, 0), prompts, 8, modes=modes, progress=False)
+    summary = decode_benchmark(Setting(base, noisy_heads(base, 0)), prompts, 8, modes=modes, progress=False)
     for mode in modes[1:]:
         row = summary["modes"][mode]
         assert row["identical_to_hf_greedy"] and row["tokens_per_s"] > 0

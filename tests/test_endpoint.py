@@ -134,6 +134,25 @@ def test_completion_equals_generate(client, ref_base, heads_dir):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["endpoint-base0"]
 
 
+def test_the_endpoint_drafts_from_the_devices_own_files_and_answers_the_same(base_dir, ref_base, heads_dir, tmp_path):
+    expected = reference(ref_base, heads_dir, PROMPTS[0])
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "notes.py").write_text((PROMPTS[0] + expected.text + "\n") * 4)  # the files hold this very answer
+    cache = tmp_path / "state" / "datastore"
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    with serving(base_dir, heads_dir, datastore_dir=own, datastore_cache=cache) as (server, http):
+        endpoint = server.app.state.endpoint
+        assert endpoint.datastore is not None and "drafts from 1 of your files" in endpoint.describe()
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected.text  # lossless
+    assert response.json()["usage"]["tau"] > expected.tau  # the answer is in the files: drafts were accepted
+    assert len(list(cache.glob("datastore-*.npz"))) == 1  # indexed once into the state folder
+    with serving(base_dir, heads_dir, datastore_dir=tmp_path / "gone", datastore_cache=cache) as (server, http):
+        assert server.app.state.endpoint.datastore is None  # a folder it cannot index costs only its drafts
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected.text
+
+
 def test_an_int8_endpoint_answers_as_the_int8_base_generates(base_dir, heads_dir):
     int8 = load_base(base_dir, device="cpu", int8=True)
     expected = reference(int8, heads_dir, PROMPTS[0])

@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 from common.cli.app import app
 from common.data.chunks import stdlib_files
 from common.decoding import generate
-from common.decoding.bench import decode_benchmark, int8_quality
+from common.decoding.bench import Setting, decode_benchmark
 from common.decoding.calibration import calibration_key
 from common.decoding.core import BaseRunner
+from common.decoding.fidelity import int8_quality
 from common.decoding.tree import attention_mask_4d, build_tree_spec, position_ids
 from common.errors import FedLookaheadError
 from common.heads.lookahead import DraftHeads
@@ -189,7 +190,9 @@ def test_ams_on_the_int8_base_equals_its_greedy_generate(int8_models, arch):
 def test_int8_bench_finds_every_mode_identical(int8_models):
     base, heads = int8_models["llama"]
     prompts = [torch.arange(5, 17), torch.arange(40, 50)]
-    summary = decode_benchmark(base, heads, prompts, 24, modes=("hf_greedy", "hf_prompt_lookup", "ams"), progress=False)
+    summary = decode_benchmark(
+        Setting(base, heads), prompts, 24, modes=("hf_greedy", "hf_prompt_lookup", "ams"), progress=False
+    )
     # transformers' own prompt lookup verifies several tokens per forward too: with float32 attention
     # on the int8 base it disagreed with greedy generate; with exact attention it agrees
     assert all(row["identical_to_hf_greedy"] for row in summary["modes"].values()), summary["modes"]

@@ -226,6 +226,8 @@ class ClientDaemon:
                         StateDir(self.state_dir).latest_heads,
                         port=opts.serve_port,
                         loading=Loading(device=opts.device),
+                        datastore_dir=Path(values[DATA_DIR_KEY]),
+                        datastore_cache=StateDir(self.state_dir).datastore,
                     )
                 except FedLookaheadError as exc:
                     raise DaemonError(f"local generation endpoint: {exc}") from None

@@ -108,13 +108,16 @@ def create_endpoint_app(
     loading: Loading = Loading(),
     max_queue: int = DEFAULT_MAX_QUEUE,
     policy: AmsPolicy | None = None,
+    datastore_dir: Path | None = None,
+    datastore_cache: Path | None = None,
 ) -> FastAPI:
     """The endpoint's FastAPI app; `app.state.endpoint` is its Endpoint (base, heads holder, worker).
 
     `heads_dir`: the folder to watch for the newest heads (None: plain decoding only). A missing
     base directory does not fail here: requests get 503 until the base can be loaded.
+    `datastore_dir`: the device's own files, which AMS-LD also drafts from (indexed into `datastore_cache`).
     """
-    endpoint = Endpoint(base_dir, heads_dir, loading, max_queue, policy)
+    endpoint = Endpoint(base_dir, heads_dir, loading, max_queue, policy, datastore_dir, datastore_cache)
     app = FastAPI(title="FedLookahead local endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.endpoint = endpoint
 

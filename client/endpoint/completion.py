@@ -10,6 +10,7 @@ import torch
 
 from common.decoding import TREE_ATTENTION, AmsPolicy, GenerationResult, generate
 from common.decoding.core import Stopper
+from common.decoding.datastore import Datastore
 from common.errors import FedLookaheadError, first_line
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel, check_text
@@ -62,8 +63,10 @@ def decode(
     sampling: Sampling,
     stopper: Stopper,
     policy: AmsPolicy,
+    datastore: Datastore | None = None,
 ) -> GenerationResult:
-    """AMS-LD with the heads (plain decoding without them), ended by the endpoint's own Stopper."""
+    """AMS-LD with the heads and the device's datastore (plain decoding without heads), ended by the
+    endpoint's own Stopper."""
     tree_attention = getattr(base.model.config, "_attn_implementation", "eager") in TREE_ATTENTION
     return generate(
         base,
@@ -76,6 +79,7 @@ def decode(
         policy=policy,
         seed=sampling.seed,
         stopper=stopper,
+        datastore=datastore,
     )
 
 

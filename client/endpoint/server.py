@@ -71,10 +71,19 @@ def start_endpoint(
     port: int = DEFAULT_PORT,
     loading: Loading = Loading(),
     max_queue: int = DEFAULT_MAX_QUEUE,
+    datastore_dir: Path | None = None,
+    datastore_cache: Path | None = None,
 ) -> EndpointServer:
     """Serve in a background thread (the daemon's hook); the host is checked before the base loads."""
     check_loopback(host)
-    app = create_endpoint_app(base_dir, heads_dir, loading=loading, max_queue=max_queue)
+    app = create_endpoint_app(
+        base_dir,
+        heads_dir,
+        loading=loading,
+        max_queue=max_queue,
+        datastore_dir=datastore_dir,
+        datastore_cache=datastore_cache,
+    )
     return EndpointServer(app, host, port).start()
 
 

@@ -23,8 +23,10 @@ from client.endpoint.completion import (
 from client.endpoint.defaults import DEFAULT_MAX_QUEUE
 from client.endpoint.errors import BaseUnavailable, QueueFull
 from client.endpoint.heads import HeadsHolder
+from common.data.chunks import text_files
 from common.decoding import AmsPolicy
 from common.decoding.core import check_prompt, check_sampling
+from common.decoding.datastore import Datastore, datastore_for
 from common.decoding.streaming import StreamingStopper, TextStream, cut_at_stop
 from common.errors import FedLookaheadError, first_line
 from common.model.base import BaseModel, Loading
@@ -51,11 +53,15 @@ class Endpoint:
         loading: Loading = Loading(),
         max_queue: int = DEFAULT_MAX_QUEUE,
         policy: AmsPolicy | None = None,
+        datastore_dir: Path | None = None,
+        datastore_cache: Path | None = None,
     ) -> None:
         self.base_dir = Path(base_dir).expanduser()
         self.loading, self.max_queue = loading, max_queue
         self.policy = policy or AmsPolicy()
         self.heads = HeadsHolder(heads_dir)
+        self.datastore_dir, self.datastore_cache = datastore_dir, datastore_cache
+        self.datastore: Datastore | None = None
         self.base: BaseModel | None = None
         self.model_name = self.base_dir.name or "base"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedla-endpoint")
@@ -74,7 +80,19 @@ class Endpoint:
             except FedLookaheadError as exc:
                 raise BaseUnavailable(f"base model unavailable: {first_line(exc)}") from exc
             self.heads.refresh(self.base)
+            self.datastore = self._index(self.base)
         return self.base
+
+    def _index(self, base: BaseModel) -> Datastore | None:
+        """The device's own files as a datastore to draft from, indexed once into the state folder; a
+        folder that cannot be indexed only costs the drafts it would have made (warned)."""
+        if self.datastore_dir is None or self.datastore_cache is None:
+            return None
+        try:
+            return datastore_for(text_files(self.datastore_dir), base.tokenizer, self.datastore_cache)
+        except FedLookaheadError as exc:
+            log.warning("endpoint: no datastore drafts: %s", first_line(exc))
+            return None
 
     def submit(self, job: Callable[[], None]) -> Future:
         """Queue a job behind the ones already waiting (FIFO); QueueFull past max_queue."""
@@ -121,7 +139,7 @@ class Endpoint:
             on_tokens=text_stream.update if text_stream else None,
             cancelled=cancelled,
         )
-        result = decode(base, prompt_ids, snapshot.heads, sampling, stopper, self.policy)
+        result = decode(base, prompt_ids, snapshot.heads, sampling, stopper, self.policy, self.datastore)
         text, stopped = cut_at_stop(result.text, sampling.stop)
         if text_stream is not None:
             text_stream.finish(text)
@@ -142,4 +160,5 @@ class Endpoint:
         snapshot = self.heads.current()
         if snapshot.heads is None:
             return f"WARNING: no heads in {self.heads.directory}: plain decoding (no speed-up) until a round delivers heads"
-        return f"AMS-LD with heads v{snapshot.version} from {self.heads.directory}"
+        drafts = f"; drafts from {self.datastore.files} of your files too" if self.datastore is not None else ""
+        return f"AMS-LD with heads v{snapshot.version} from {self.heads.directory}{drafts}"

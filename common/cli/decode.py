@@ -64,6 +64,17 @@ def _decoding_heads(heads: Optional[Path], model: BaseModel, mode: str, state_di
     return loaded
 
 
+def _datastore(folder: Optional[Path], model: BaseModel):
+    """The cached index of every text file under `folder` (None: no datastore)."""
+    if folder is None:
+        return None
+    from common.data.chunks import text_files
+    from common.decoding.datastore import datastore_for
+    from common.paths import datastore_cache_dir
+
+    return datastore_for(text_files(folder), model.tokenizer, datastore_cache_dir())
+
+
 def generate_cmd(
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
@@ -80,6 +91,10 @@ def generate_cmd(
     ),
     state_dir: Optional[Path] = typer.Option(
         None, help="A device's state folder (fedla client --state-dir): use its newest global heads."
+    ),
+    datastore: Optional[Path] = typer.Option(
+        None,
+        help="A folder of your own files for AMS-LD to draft from as well (indexed once, cached; ams mode).",
     ),
     mode: str = typer.Option(
         "ams",
@@ -131,10 +146,12 @@ def generate_cmd(
         sys.stdout.flush()
 
     shown: TextStream | None = None
+    store = None
     try:
         model = open_base(base, device, dtype)
         ids = prompt_ids(model, prompt, chat)
         draft_heads = _decoding_heads(heads, model, mode, state_dir)
+        store = _datastore(datastore, model) if mode == "ams" else None
         shown = TextStream(model.tokenizer, (), show)  # the stop string stays in the text, as in transformers
         room = model.max_positions - len(ids)
         stopper = StreamingStopper(
@@ -153,6 +170,7 @@ def generate_cmd(
                 seed=seed,
                 compiled=compiled,
                 stopper=stopper,
+                datastore=store,
             )
         for warning in caught:
             if draft_heads is not None or mode not in ("ams", "fused"):
@@ -170,13 +188,27 @@ def generate_cmd(
     typer.echo(
         f"[{result.mode}] {len(result.tokens)} tokens in {result.seconds:.2f}s: "
         f"{result.tokens_per_s:.1f} tokens/s, tau {result.tau:.2f} (stop: {result.stop_reason})"
-        + (f"; {plain} of {result.stats.get('steps', 0)} steps drafted nothing (no tree paid)" if plain else ""),
+        + (f"; {plain} of {result.stats.get('steps', 0)} steps drafted nothing (no tree paid)" if plain else "")
+        + (f"; {result.stats.get('store_steps', 0)} steps drafted from the datastore" if store is not None else ""),
         err=True,
     )
 
 
 def bench_decode_cmd(
-    data: Optional[Path] = typer.Option(None, help="Folder of text/code files (default: stdlib held-out split)."),
+    data: Optional[Path] = typer.Option(
+        None, help="Folder of text/code files to take prompts from (in place of --set)."
+    ),
+    benchmark: str = typer.Option(
+        "third-party",
+        "--set",
+        help="The held-out prompt set when --data is not given: third-party (installed packages no training "
+        "path reads, chosen by rule; the JSON lists them) | stdlib (the standard library's held-out split).",
+    ),
+    datastore: Optional[Path] = typer.Option(
+        None,
+        help="A folder to draft from (the device's own files): adds the modes ams_datastore and "
+        "ams_datastore_only. The prompts' own files are left out of its index.",
+    ),
     base: Optional[str] = typer.Option(None, help=BASE_HELP),
     heads: Optional[Path] = typer.Option(
         None, help="Heads directory (default: $FEDLA_HEADS or the cache's heads/latest)."
@@ -184,29 +216,49 @@ def bench_decode_cmd(
     prompts: int = typer.Option(20, min=1, help="Number of prompts."),
     prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
     max_new_tokens: int = typer.Option(128, min=1),
+    temperature: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="0: greedy, every output checked against generate's. > 0: sampling from the full distribution, "
+        "against transformers' sampling generate (seeded per prompt; outputs not compared).",
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the summary JSON here."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help=BENCH_DTYPE_HELP),
     threads: int = typer.Option(2, min=0, help="CPU threads for every mode (0: torch's default)."),
-    modes: str = typer.Option(
-        "hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only",
-        help="Comma-separated; ablations: ams_heads_only, ams_ngram_only, ams_fixed_tree; hf_compiled: "
-        "transformers' static cache + torch.compile, and ams_compiled: AMS-LD under the same settings "
-        "(CUDA graphs on CUDA; minutes of compilation first on a CPU).",
+    modes: Optional[str] = typer.Option(
+        None,
+        help="Comma-separated (default: hf_greedy,hf_prompt_lookup,greedy,ams,ams_heads_only; with --temperature: "
+        "hf_sample,hf_prompt_lookup_sample,ams,ams_heads_only; --datastore adds its modes). Ablations: "
+        "ams_heads_only, ams_ngram_only, ams_fixed_tree; hf_compiled: transformers' static cache + "
+        "torch.compile, and ams_compiled: AMS-LD under the same settings (CUDA graphs on CUDA; minutes of "
+        "compilation first on a CPU).",
     ),
     calibrate: bool = typer.Option(
         False, "--calibrate", help="Re-measure this device's verify cost curve c(n) and show it."
     ),
 ) -> None:
-    """Side by side, one process, interleaved per prompt: hf_greedy, hf_prompt_lookup, greedy (ours), ams (ours)."""
-    from common.data.chunks import prompts_from_files, stdlib_files, text_files
+    """Side by side, one process, interleaved per prompt: transformers' generate (greedy and prompt lookup, or
+    sampling) against AMS-LD and its ablations, on held-out code."""
+    from common.data.chunks import prompt_sources, text_files
+    from common.data.packages import benchmark_set
     from common.decoding import cost_curve
-    from common.decoding.bench import decode_benchmark, format_table, int8_quality
+    from common.decoding.bench import DATASTORE_MODES, SAMPLING_MODES, Setting, decode_benchmark, format_table
+    from common.decoding.datastore import datastore_for
+    from common.decoding.fidelity import int8_quality
+    from common.paths import datastore_cache_dir
 
     if threads:
         torch.set_num_threads(threads)
     if json_out is not None:
         check_output_path(json_out, "file")
+    if modes is None:
+        chosen_modes = (
+            SAMPLING_MODES if temperature > 0 else ("hf_greedy", "hf_prompt_lookup", "greedy", "ams", "ams_heads_only")
+        )
+        chosen_modes += DATASTORE_MODES if datastore is not None else ()
+    else:
+        chosen_modes = tuple(mode.strip() for mode in modes.split(",") if mode.strip())
     try:
         model = open_base(base, device, dtype)
         curve = cost_curve(model, remeasure=calibrate)
@@ -215,17 +267,28 @@ def bench_decode_cmd(
             + ", ".join(f"{n}: {c:.2f}" for n, c in curve.relative().items())
             + f" (one token: {curve.verify(1, 1) * 1000:.1f} ms)"
         )
-        files = text_files(data) if data else stdlib_files("heldout")
-        chosen = prompts_from_files(files, model.tokenizer, prompts, prompt_tokens)
-        if not chosen:
+        if data is not None:
+            files, described = text_files(data), {"name": f"files under {data}", "folder": str(data)}
+        else:
+            files, described = benchmark_set(benchmark)
+        sources = prompt_sources(files, model.tokenizer, prompts, prompt_tokens)
+        if not sources:
             raise FedLookaheadError(f"no file is long enough for a {prompt_tokens}-token prompt")
+        described["prompt_files"] = sorted({str(path) for path, _ in sources})
+        store = None
+        if datastore is not None:
+            prompt_files = {path.resolve() for path, _ in sources}
+            indexed = [path for path in text_files(datastore) if path.resolve() not in prompt_files]
+            store = datastore_for(indexed, model.tokenizer, datastore_cache_dir())
         draft_heads = _decoding_heads(heads, model, "ams")
         if draft_heads is None:
             typer.echo("warning: no usable heads: the ams row is plain greedy decoding", err=True)
         quality = int8_quality(model, files) if model.int8 else None  # first: a bad sample fails in seconds
-        summary = decode_benchmark(
-            model, draft_heads, chosen, max_new_tokens, modes=tuple(modes.split(",")), curve=curve
-        )
+        setting = Setting(model, draft_heads, curve=curve, datastore=store, temperature=temperature)
+        summary = decode_benchmark(setting, [prompt for _, prompt in sources], max_new_tokens, modes=chosen_modes)
+        summary["benchmark_set"] = described
+        if store is not None:
+            summary["datastore"] = {"folder": str(datastore), "files": store.files, "stream_length": len(store)}
         if quality is not None:
             summary["int8_quality"] = quality
     except (FedLookaheadError, ValueError) as exc:

@@ -137,11 +137,12 @@ def load_chunks(directory: str | Path, tokenizer: PreTrainedTokenizerBase, chunk
     return chunks
 
 
-def prompts_from_files(
+def prompt_sources(
     files: list[Path], tokenizer: PreTrainedTokenizerBase, count: int, prompt_tokens: int
-) -> list[torch.Tensor]:
-    """`count` prompts: the first `prompt_tokens` tokens of files (or of successive chunks of long files)."""
-    prompts: list[torch.Tensor] = []
+) -> list[tuple[Path, torch.Tensor]]:
+    """`count` prompts with the file each comes from: the first `prompt_tokens` tokens of files (or of
+    successive chunks of long files). A file gives a prompt only with room for twice as many tokens."""
+    prompts: list[tuple[Path, torch.Tensor]] = []
     per_file = max(1, -(-count // max(1, len(files))))
     for path in files:
         text = read_text(path)
@@ -150,7 +151,14 @@ def prompts_from_files(
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         stride = max(prompt_tokens * 4, len(ids) // per_file)
         for start in range(0, len(ids) - prompt_tokens * 2, stride)[:per_file]:
-            prompts.append(torch.tensor(ids[start : start + prompt_tokens], dtype=torch.long))
+            prompts.append((path, torch.tensor(ids[start : start + prompt_tokens], dtype=torch.long)))
             if len(prompts) == count:
                 return prompts
     return prompts
+
+
+def prompts_from_files(
+    files: list[Path], tokenizer: PreTrainedTokenizerBase, count: int, prompt_tokens: int
+) -> list[torch.Tensor]:
+    """The prompts of `prompt_sources`, without their files."""
+    return [prompt for _, prompt in prompt_sources(files, tokenizer, count, prompt_tokens)]

@@ -20,6 +20,7 @@ import sysconfig
 import zlib
 from pathlib import Path
 
+from common.data.chunks import stdlib_files
 from common.errors import FedLookaheadError
 
 PRIVATE_PACKAGES = (
@@ -93,3 +94,24 @@ def interleaved_sources(names: list[str], root: Path | None = None) -> list[Path
     if not files:
         raise FedLookaheadError(f"no installed package sources for {', '.join(names) or 'an empty package list'}")
     return files
+
+
+BENCHMARK_SETS = ("third-party", "stdlib")
+
+
+def benchmark_set(name: str) -> tuple[list[Path], dict]:
+    """A held-out benchmark set's files, and its description for a benchmark's JSON (name, rule, what it
+    holds). "third-party": the held-out installed packages; "stdlib": the standard library's held-out split."""
+    if name == "third-party":
+        names = packages("heldout")
+        if not names:
+            raise FedLookaheadError("no installed package falls in the held-out split: use --set stdlib or --data")
+        rule = (
+            f"installed top-level packages with >= {MIN_SOURCE_BYTES // 1000} KB of source (tests excluded) whose "
+            f"name's crc32 % {HELDOUT_BUCKETS} == 0, minus the simulations' private packages; no training path reads them"
+        )
+        return interleaved_sources(names), {"name": "third-party held-out", "rule": rule, "packages": names}
+    if name == "stdlib":
+        rule = "the standard library's held-out split (crc32 of the top-level name), which no training path reads"
+        return stdlib_files("heldout"), {"name": "stdlib held-out", "rule": rule}
+    raise FedLookaheadError(f"unknown benchmark set {name!r}: use {', '.join(BENCHMARK_SETS)}")

@@ -1,10 +1,13 @@
-"""Side-by-side decoding benchmark: transformers' greedy and prompt-lookup generate vs our greedy and AMS-LD.
+"""Side-by-side decoding benchmark: transformers' generate (greedy, prompt lookup; or sampling) vs AMS-LD.
 
 All modes run in one process, interleaved per prompt (the order rotates from prompt to prompt so
 no mode always runs first), after a warm-up of every mode. Per mode: tokens/s over all prompts
 (total new tokens / total seconds, prefill included), tau (new tokens per base forward after the
-prefill) and whether every prompt's output equals transformers' greedy output token for token.
-Speed-ups are medians over prompts of per-prompt tokens/s ratios against `hf_greedy`.
+prefill) and, when greedy, whether every prompt's output equals transformers' greedy output token for
+token. Speed-ups are medians over prompts of per-prompt tokens/s ratios against the reference
+(`hf_greedy`, or `hf_sample` at a temperature), over all prompts and over those whose reference output
+does not end in a repetition loop (loops are what prompt lookup drafts for free). Sampling runs are
+seeded per prompt; their outputs are not compared (the distribution test in the suite covers them).
 
 Our modes run with the degeneration guard off and no stop strings, so they produce exactly the
 tokens `generate` produces (both stop at EOS or max_new_tokens).
@@ -12,24 +15,21 @@ tokens `generate` produces (both stop at EOS or max_new_tokens).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import CompileConfig, PreTrainedTokenizerBase
+from transformers import CompileConfig
 
-from common.data.chunks import chunk_files
 from common.decoding import AmsPolicy, CostCurve, DegenerationGuard, generate
+from common.decoding.datastore import Datastore
 from common.decoding.decoders import ForwardCounter
-from common.errors import FedLookaheadError
+from common.decoding.fidelity import DivergenceJudge
 from common.heads.lookahead import DraftHeads
-from common.model.base import BaseModel, load_base
+from common.model.base import BaseModel
 from common.model.int8_kernels import cpu_info, describe_cpu
 
 BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
@@ -37,12 +37,22 @@ BENCH_MODES = ("hf_greedy", "hf_prompt_lookup", "greedy", "ams")
 # and AMS-LD under the same settings. Not in the default set: compiling costs minutes on a CPU.
 HF_COMPILED = "hf_compiled"
 AMS_COMPILED = "ams_compiled"
-# Ablations of AMS-LD that can be added with `modes`: each source of candidates on its own.
+# Sampling (a benchmark's temperature > 0): transformers' sampling generate, with and without prompt lookup.
+HF_SAMPLE = "hf_sample"
+HF_PROMPT_LOOKUP_SAMPLE = "hf_prompt_lookup_sample"
+SAMPLING_MODES = (HF_SAMPLE, HF_PROMPT_LOOKUP_SAMPLE, "ams", "ams_heads_only")
+GREEDY_ONLY = ("hf_greedy", "hf_prompt_lookup", HF_COMPILED, "greedy", AMS_COMPILED)
+# Ablations of AMS-LD that can be added with `modes`: each source of candidates on its own, and the
+# device's datastore in the tree or alone.
 ABLATIONS = {
     "ams_heads_only": {"ngram": False},
     "ams_ngram_only": {"heads": False},
     "ams_fixed_tree": {"cost_aware": False, "min_path_prob": 0.05},  # the hand-set budget the cost model replaced
+    "ams_datastore": {},
+    "ams_datastore_only": {"heads": False, "ngram": False},
 }
+DATASTORE_MODES = ("ams_datastore", "ams_datastore_only")
+KNOWN_MODES = BENCH_MODES + (HF_COMPILED, AMS_COMPILED, HF_SAMPLE, HF_PROMPT_LOOKUP_SAMPLE) + tuple(ABLATIONS)
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
@@ -64,6 +74,22 @@ class ModeTotals:
     per_prompt_speed: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What every mode of one benchmark shares."""
+
+    base: BaseModel
+    heads: DraftHeads | None
+    policy: AmsPolicy | None = None
+    curve: CostCurve | None = None
+    datastore: Datastore | None = None
+    temperature: float = 0.0
+
+    @property
+    def reference(self) -> str:
+        return "hf_greedy" if self.temperature == 0 else HF_SAMPLE
+
+
 def compiled_generation() -> dict:
     """generate's arguments for a static cache with a compiled decoding step. transformers compiles it by
     itself on CUDA; on a CPU only when CompileConfig's `_compile_all_devices` switch (private) asks it to."""
@@ -73,26 +99,32 @@ def compiled_generation() -> dict:
 
 
 def hf_generate(
-    base: BaseModel, ids: torch.Tensor, max_new_tokens: int, prompt_lookup: int | None = None, compiled: bool = False
+    base: BaseModel,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    prompt_lookup: int | None = None,
+    compiled: bool = False,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Run:
-    """transformers' own generate, greedy (with prompt lookup, or a compiled static-cache step), timed and
-    with forwards counted."""
+    """transformers' own generate, greedy (with prompt lookup, or a compiled static-cache step) or sampling
+    at `temperature` from the full distribution (seeded), timed and with forwards counted."""
     eos = base.model.generation_config.eos_token_id
     pad = (
         base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
     )
-    kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    kwargs: dict = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     if compiled:
         kwargs.update(compiled_generation())
+    if temperature > 0:  # no top-k or top-p cut: the distribution AMS-LD samples from
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
+    else:
+        kwargs.update(do_sample=False)
     with torch.no_grad(), ForwardCounter(base.model) as counter:
         started = time.perf_counter()
         out = base.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            **kwargs,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs
         )
         if base.device.type == "cuda":
             torch.cuda.synchronize(base.device)
@@ -100,100 +132,113 @@ def hf_generate(
     return Run(out[0, ids.shape[1] :].tolist(), seconds, max(1, counter.calls - 1))
 
 
-def run_mode(
-    mode: str,
-    base: BaseModel,
-    heads: DraftHeads | None,
-    ids: torch.Tensor,
-    max_new_tokens: int,
-    policy: AmsPolicy | None,
-    curve: CostCurve | None = None,
-) -> Run:
-    if mode == "hf_greedy":
-        return hf_generate(base, ids, max_new_tokens)
-    if mode == "hf_prompt_lookup":
-        return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS)
+def run_mode(mode: str, setting: Setting, ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> Run:
+    base, temperature = setting.base, setting.temperature
+    if mode in ("hf_greedy", HF_SAMPLE):
+        return hf_generate(base, ids, max_new_tokens, temperature=temperature, seed=seed)
+    if mode in ("hf_prompt_lookup", HF_PROMPT_LOOKUP_SAMPLE):
+        return hf_generate(base, ids, max_new_tokens, PROMPT_LOOKUP_TOKENS, temperature=temperature, seed=seed)
     if mode == HF_COMPILED:
         return hf_generate(base, ids, max_new_tokens, compiled=True)
-    compiled = mode == AMS_COMPILED
+    policy = setting.policy
     if mode in ABLATIONS:
         policy = dataclasses.replace(policy or AmsPolicy(), **ABLATIONS[mode])
-    if mode in ABLATIONS or compiled:
-        mode = "ams"
     result = generate(
         base,
         ids,
-        mode=mode,
-        heads=heads,
+        mode="greedy" if mode == "greedy" else "ams",
+        heads=setting.heads,
         max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
         degeneration_guard=False,
         policy=policy,
-        curve=curve,
-        compiled=compiled,
+        curve=setting.curve,
+        compiled=mode == AMS_COMPILED,
+        datastore=setting.datastore if mode in DATASTORE_MODES else None,
     )
     return Run(result.tokens, result.seconds, max(1, result.base_forwards))
 
 
+def check_modes(modes: tuple[str, ...], setting: Setting) -> None:
+    unknown = set(modes) - set(KNOWN_MODES)
+    if unknown:
+        raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(KNOWN_MODES)}")
+    if setting.reference not in modes:
+        raise ValueError(f"the benchmark needs the {setting.reference} reference mode")
+    sampled_only = {HF_SAMPLE, HF_PROMPT_LOOKUP_SAMPLE}
+    wrong = set(modes) & (set(GREEDY_ONLY) if setting.temperature > 0 else sampled_only)
+    if wrong:
+        kind = "greedy" if setting.temperature > 0 else "sampling"
+        raise ValueError(f"modes {sorted(wrong)} are {kind}-only: not at temperature {setting.temperature}")
+    if setting.datastore is None and set(modes) & set(DATASTORE_MODES):
+        raise ValueError(f"modes {', '.join(DATASTORE_MODES)} need a datastore")
+
+
 def decode_benchmark(
-    base: BaseModel,
-    heads: DraftHeads | None,
+    setting: Setting,
     prompts: list[torch.Tensor],
     max_new_tokens: int,
-    policy: AmsPolicy | None = None,
     modes: tuple[str, ...] = BENCH_MODES,
     progress: bool = True,
-    curve: CostCurve | None = None,
 ) -> dict:
     """Run every mode on every prompt; returns the JSON-ready summary (see the module docstring)."""
-    if "hf_greedy" not in modes:
-        raise ValueError("the benchmark needs the hf_greedy reference mode")
-    known = BENCH_MODES + (HF_COMPILED, AMS_COMPILED) + tuple(ABLATIONS)
-    unknown = set(modes) - set(known)
-    if unknown:
-        raise ValueError(f"unknown benchmark modes {sorted(unknown)}: use {', '.join(known)}")
+    check_modes(modes, setting)
+    base, reference_mode = setting.base, setting.reference
     ids_list = [p.view(1, -1).to(base.device) for p in prompts]
     longest = max(ids_list, key=lambda ids: ids.shape[1])
     for mode in modes:  # warm-up: first calls pay for lazy initialisation and allocator growth
         # the compiled step is warmed up at full length: its static cache is sized by the longest call
         length = max_new_tokens if mode in (HF_COMPILED, AMS_COMPILED) else min(16, max_new_tokens)
-        run_mode(mode, base, heads, longest, length, policy, curve)
+        run_mode(mode, setting, longest, length)
     totals = {mode: ModeTotals() for mode in modes}
     judge = DivergenceJudge(base)
-    looping = 0  # prompts whose greedy output ends in a repetition loop, which prompt lookup drafts for free
+    loops = []  # per prompt: the reference output ends in a repetition loop, which prompt lookup drafts for free
     for index, ids in enumerate(tqdm(ids_list, desc="bench-decode", unit="prompt", disable=not progress)):
         order = modes[index % len(modes) :] + modes[: index % len(modes)]
-        runs = {mode: run_mode(mode, base, heads, ids, max_new_tokens, policy, curve) for mode in order}
-        reference = runs["hf_greedy"]
-        looping += DegenerationGuard().looping(reference.tokens)
+        runs = {mode: run_mode(mode, setting, ids, max_new_tokens, seed=index) for mode in order}
+        reference = runs[reference_mode]
+        loops.append(DegenerationGuard().looping(reference.tokens))
         for mode, run in runs.items():
             total = totals[mode]
             total.tokens += len(run.tokens)
             total.seconds += run.seconds
             total.forwards += run.forwards
-            if run.tokens != reference.tokens:
+            if setting.temperature == 0 and run.tokens != reference.tokens:
                 total.identical = False
                 total.mismatches += 1
                 total.divergences.append({"prompt": index, **judge(ids, reference.tokens, run.tokens)})
             total.per_prompt_speed.append(len(run.tokens) / run.seconds if run.seconds > 0 else 0.0)
-    reference_speed = totals["hf_greedy"].per_prompt_speed
+    reference_speed = totals[reference_mode].per_prompt_speed
+
+    def median_speedup(speeds: list[float], keep: list[bool]) -> float | None:
+        ratios = [s / r for s, r, k in zip(speeds, reference_speed, keep) if k and r > 0]
+        return round(statistics.median(ratios), 3) if ratios else None
+
     summary = {
         "modes": {
             mode: {
                 "tokens_per_s": round(t.tokens / t.seconds, 2) if t.seconds > 0 else 0.0,
                 "tau": round(t.tokens / max(1, t.forwards), 3),
-                "identical_to_hf_greedy": t.identical,
-                "mismatches": t.mismatches,
-                "divergences": t.divergences,
+                **(
+                    {"identical_to_hf_greedy": t.identical, "mismatches": t.mismatches, "divergences": t.divergences}
+                    if setting.temperature == 0
+                    else {}
+                ),
             }
             for mode, t in totals.items()
         },
-        "speedup_vs_hf_greedy": {
-            mode: round(statistics.median(s / r for s, r in zip(t.per_prompt_speed, reference_speed) if r > 0), 3)
-            for mode, t in totals.items()
+        "reference": reference_mode,
+        "temperature": setting.temperature,
+        "speedup": {mode: median_speedup(t.per_prompt_speed, [True] * len(loops)) for mode, t in totals.items()},
+        "speedup_without_loops": {
+            mode: median_speedup(t.per_prompt_speed, [not loop for loop in loops]) for mode, t in totals.items()
         },
         "prompts": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts],
         "max_new_tokens": max_new_tokens,
-        "greedy_outputs_ending_in_a_loop": looping,
+        "outputs_ending_in_a_loop": sum(loops),
+        "loop_share": round(sum(loops) / len(loops), 3),
         "hardware": hardware(base),
     }
     return summary
@@ -218,108 +263,25 @@ def describe_hardware(hardware: dict) -> str:
     return line
 
 
-NEAR_TIE = 1e-4  # fp32 logit gap below which two choices are a rounding tie, not a decoding bug
-TIE_ULPS = 2  # in a lower precision, a gap of this many units in the last place of the top logit is a tie
-
-
-def near_tie_gap(top_logit: float, dtype: torch.dtype) -> float:
-    """The largest top-2 logit gap that rounding alone explains: 1e-4 in fp32; in bf16/fp16, whose
-    logits are rounded to 8/11 significant bits, two ulps of the top logit (a tree forward and a
-    one-token forward run differently blocked matrix products, as transformers' own prompt lookup
-    does: its bf16 output differs from bf16 `generate` at such gaps too)."""
-    return max(NEAR_TIE, TIE_ULPS * torch.finfo(dtype).eps * abs(top_logit))
-
-
-class DivergenceJudge:
-    """Finds where an output first differs from greedy and says whether rounding alone explains it.
-
-    A tree forward and a one-token forward need not round identically; a difference is acceptable
-    only at a near-tie. In fp32 that is a top-2 gap below 1e-4. In bf16/fp16 a gap within two ulps of
-    the top logit is a tie; a larger one is checked against exact arithmetic: the same weights run
-    in fp32 give the exact gap between greedy's token and ours, and the plain low-precision forward's
-    distance from those exact logits measures this position's rounding error. Two roundings can swap
-    the tokens only when the exact gap is within twice that error. Anything else is a decoding bug.
-    """
-
-    def __init__(self, base: BaseModel) -> None:
-        self.base = base
-        self._exact: torch.nn.Module | None = None  # the fp32 twin, built on the first unexplained gap
-
-    @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, reference: list[int], tokens: list[int]) -> dict:
-        pairs = list(zip(reference, tokens))
-        position = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-        agreed = torch.tensor(reference[:position], dtype=torch.long, device=ids.device)
-        prefix = torch.cat([ids[0], agreed]).view(1, -1)
-        logits = self.base.model(input_ids=prefix).logits[0, -1].float()
-        top = torch.topk(logits, 2).values
-        gap = float(top[0] - top[1])
-        verdict = {
-            "position": position,
-            "top2_logit_gap": gap,
-            "near_tie": gap <= near_tie_gap(float(top[0]), self.base.dtype),
-        }
-        if verdict["near_tie"] or self.base.dtype == torch.float32 or position == len(pairs):
-            return verdict  # (an output that stops early, at EOS, differs at a token only one side has)
-        exact = self._exact_model()(input_ids=prefix).logits[0, -1]
-        chosen = torch.tensor(pairs[position], device=logits.device)  # greedy's token, then ours
-        exact_gap = float(exact[chosen[0]] - exact[chosen[1]])
-        error = float((logits[chosen] - exact[chosen]).abs().max())
-        return {**verdict, "exact_gap": exact_gap, "rounding_error": error, "near_tie": abs(exact_gap) <= 2 * error}
-
-    def _exact_model(self) -> torch.nn.Module:
-        if self._exact is None:
-            self._exact = copy.deepcopy(self.base.model).float()  # bf16/fp16 weights are exact in fp32
-        return self._exact
-
-
-QUALITY_CHUNKS, QUALITY_CHUNK_LEN = 32, 128
-
-
-def quality_chunks(files: list[Path], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """The held-out sample every quality figure uses: 32 chunks of 128 tokens, drawn with a fixed seed."""
-    chunks = chunk_files(files, tokenizer, QUALITY_CHUNK_LEN)
-    if len(chunks) == 0:
-        raise FedLookaheadError(f"no held-out file is {QUALITY_CHUNK_LEN} tokens long: quality not measured")
-    return chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:QUALITY_CHUNKS]]
-
-
-@torch.inference_mode()
-def heldout_quality(base: BaseModel, chunks: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Mean next-token cross-entropy (nats) over `chunks`, and the greedy choice at every position."""
-    losses, greedy = [], []
-    for chunk in chunks:
-        logits = base.model(input_ids=chunk.view(1, -1)).logits[0].float()
-        losses.append(torch.nn.functional.cross_entropy(logits[:-1], chunk[1:]))
-        greedy.append(logits.argmax(-1))
-    return float(torch.stack(losses).mean()), torch.stack(greedy)
-
-
-def int8_quality(base: BaseModel, files: list[Path]) -> dict:
-    """What int8 weights cost in quality: held-out loss of this int8 base against its fp32 original, and
-    how often their greedy choices agree."""
-    chunks = quality_chunks(files, base.tokenizer)
-    int8, int8_greedy = heldout_quality(base, chunks)
-    fp32, fp32_greedy = heldout_quality(load_base(base.path, device="cpu"), chunks)
-    return {
-        "heldout_loss_int8": round(int8, 4),
-        "heldout_loss_fp32": round(fp32, 4),
-        "perplexity_ratio": round(math.exp(int8 - fp32), 4),
-        "greedy_agreement_with_fp32": round(float((int8_greedy == fp32_greedy).float().mean()), 4),
-        "heldout_tokens": chunks.numel(),
-    }
-
-
 def format_table(summary: dict) -> str:
-    lines = [f"{'mode':<18}{'tokens/s':>10}{'tau':>8}{'speedup':>9}  identical to hf_greedy"]
+    """The summary as the table a person reads: per mode tokens/s, tau, speed-up over the reference (all
+    prompts, and those whose output does not end in a loop) and whether its outputs are greedy's."""
+    sampled = summary["temperature"] > 0
+    last = f"sampled at temperature {summary['temperature']:g}" if sampled else "identical to hf_greedy"
+    lines = [f"{'mode':<20}{'tokens/s':>10}{'tau':>8}{'speedup':>9}{'no loops':>10}  {last}"]
     for mode, row in summary["modes"].items():
+        without = summary["speedup_without_loops"][mode]
         lines.append(
-            f"{mode:<18}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}"
-            f"{summary['speedup_vs_hf_greedy'][mode]:>8.2f}x  {_identity(row)}"
+            f"{mode:<20}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}{summary['speedup'][mode]:>8.2f}x"
+            + (f"{without:>9.2f}x" if without is not None else f"{'-':>10}")
+            + f"  {'(not compared)' if sampled else _identity(row)}"
         )
+    if "benchmark_set" in summary:
+        lines.append(f"set: {summary['benchmark_set']['name']}")
     lines.append(
-        f"{summary['prompts']} prompts, up to {summary['max_new_tokens']} new tokens, batch size 1; "
-        f"{summary['greedy_outputs_ending_in_a_loop']} greedy outputs end in a repetition loop"
+        f"{summary['prompts']} prompts of {min(summary['prompt_tokens'])}-{max(summary['prompt_tokens'])} tokens, "
+        f"up to {summary['max_new_tokens']} new tokens, batch size 1, speed-ups against {summary['reference']}; "
+        f"{summary['outputs_ending_in_a_loop']} of its outputs end in a repetition loop"
     )
     if "hardware" in summary:
         lines.append(describe_hardware(summary["hardware"]))

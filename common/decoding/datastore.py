@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from common.data.chunks import read_text, text_files
+from common.data.chunks import read_text
 from common.durable import replace_file
 from common.errors import FedLookaheadError
 
@@ -176,12 +176,16 @@ class Datastore:
         return StoreDraft(tokens, parents, [c / total for c in counts], length, hi - lo)
 
 
+KEPT_INDEXES = 4  # a cache folder keeps the newest few indexes (one per file set seen lately)
+
+
 def datastore_for(
-    directory: Path, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, progress: bool = True
+    files: Sequence[Path], tokenizer: PreTrainedTokenizerBase, cache_dir: Path, progress: bool = True
 ) -> Datastore:
-    """The index of every text file under `directory`, built once and cached in `cache_dir` under a key of
-    the files (path, size, mtime) and the tokenizer, so an edited file rebuilds it."""
-    files = text_files(directory)
+    """The index of `files`, built once and cached in `cache_dir` under a key of the files (path, size,
+    mtime) and the tokenizer, so an edited file rebuilds it; older indexes beyond KEPT_INDEXES are removed."""
+    if not files:
+        raise FedLookaheadError("no files to index for the datastore")
     digest = hashlib.sha256(tokenizer.name_or_path.encode() + str(len(tokenizer)).encode())
     for path in files:
         stat = path.stat()
@@ -189,14 +193,16 @@ def datastore_for(
     cached = cache_dir / f"datastore-{digest.hexdigest()[:16]}.npz"
     if cached.exists():
         try:
-            return Datastore.load(cached)
+            store = Datastore.load(cached)
+            cached.touch()  # recently used: kept by the pruning below
+            return store
         except FedLookaheadError as exc:  # a cache: rebuilt, never trusted half-written
             log.warning("%s: rebuilding it", exc)
     if progress:
-        log.warning(
-            "indexing %d files under %s for datastore drafts (once; cached in %s)", len(files), directory, cache_dir
-        )
+        log.warning("indexing %d files for datastore drafts (once; cached in %s)", len(files), cache_dir)
     store = Datastore.from_files(files, tokenizer)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     store.save(cached)
+    older = sorted(cache_dir.glob("datastore-*.npz"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for stale in older[KEPT_INDEXES:]:
+        stale.unlink(missing_ok=True)
     return store
