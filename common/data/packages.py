@@ -8,7 +8,7 @@ least MIN_SOURCE_BYTES of source (test folders excluded). Each belongs to exactl
   benchmark);
 - heldout: the rest whose name hashes (crc32) into bucket 0 of HELDOUT_BUCKETS, the third-party
   benchmark set no training path reads (`fedla bench-decode`'s default);
-- public: all others, which `fedla train-heads` may add to the stdlib's training split.
+- public: all others, which `fedla train-heads` adds to the stdlib's training split (public_chunks).
 
 The rule hashes names, so a package keeps its split on every machine that installs it; which packages
 a split holds depends on what is installed (the JSON of a benchmark lists them).
@@ -20,7 +20,10 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-from common.data.chunks import stdlib_files
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from common.data.chunks import chunk_files, first_chunks, stdlib_files
 from common.errors import FedLookaheadError
 
 PRIVATE_PACKAGES = (
@@ -115,3 +118,36 @@ def benchmark_set(name: str) -> tuple[list[Path], dict]:
         rule = "the standard library's held-out split (crc32 of the top-level name), which no training path reads"
         return stdlib_files("heldout"), {"name": "stdlib held-out", "rule": rule}
     raise FedLookaheadError(f"unknown benchmark set {name!r}: use {', '.join(BENCHMARK_SETS)}")
+
+
+PUBLIC_SOURCES = ("stdlib", "stdlib+packages")
+PACKAGE_FILES_PER_BATCH = 64  # tokenise public package files this many at a time, until enough chunks are in hand
+
+
+def public_chunks(
+    sources: str, tokenizer: PreTrainedTokenizerBase, chunk_len: int, count: int, generator: torch.Generator
+) -> torch.Tensor:
+    """`count` public training chunks drawn with `generator` (0: every chunk of the stdlib's train split, and
+    as many from the packages).
+
+    "stdlib": the standard library's train split. "stdlib+packages": half the chunks from it, half from the
+    public installed packages (the split no benchmark holds out and no simulation treats as private), read
+    one package's file at a time in turn so every package contributes and torch's size does not dominate.
+    Files are tokenised only until twice the chunks needed are in hand, and the chunks drawn from those."""
+    if sources not in PUBLIC_SOURCES:
+        raise FedLookaheadError(f"unknown public sources {sources!r}: use {', '.join(PUBLIC_SOURCES)}")
+
+    def draw(files: list[Path], need: int | None) -> torch.Tensor:
+        if need is None:
+            pool = chunk_files(files, tokenizer, chunk_len)
+        else:
+            pool = first_chunks(files, tokenizer, chunk_len, 2 * need, PACKAGE_FILES_PER_BATCH)
+        return pool[torch.randperm(len(pool), generator=generator)[:need]]
+
+    stdlib = stdlib_files("train")
+    stdlib = [stdlib[i] for i in torch.randperm(len(stdlib), generator=generator).tolist()]
+    if sources == "stdlib":
+        return draw(stdlib, count or None)
+    from_stdlib = draw(stdlib, count // 2 if count else None)
+    from_packages = draw(interleaved_sources(packages("public")), count - count // 2 if count else len(from_stdlib))
+    return torch.cat([from_stdlib, from_packages])

@@ -217,6 +217,7 @@ def fit_heads(
     seed: int = 0,
     show_progress: bool = True,
     distill_chunks: int = 0,
+    other_heldout: dict[str, torch.Tensor] | None = None,
 ) -> tuple[DraftHeads, dict]:
     """Fresh heads trained centrally (non-private) on public `chunks`; a report with held-out accuracy
     and the cost of each stage. The base's features are cached, and the draft vocabulary is built from
@@ -224,6 +225,7 @@ def fit_heads(
 
     `distill_chunks` > 0 adds that many self-distilled chunks: the first half of a public chunk
     followed by the base's own greedy continuation (common/data/distill.py).
+    `other_heldout`: more held-out sets by name, each reported as "heldout_<name>".
     """
     started = time.perf_counter()
     distilled = chunks[:0]
@@ -237,6 +239,7 @@ def fit_heads(
     if len(distilled):
         features = features + base_features(base, distilled, progress=show_progress)
     heldout_features = base_features(base, heldout, progress=show_progress)
+    other_features = {name: base_features(base, c, progress=show_progress) for name, c in (other_heldout or {}).items()}
     feature_seconds = time.perf_counter() - started
     draft_vocab = build_draft_vocab(base, features, draft_vocab_size) if draft_vocab_size else []
     torch.manual_seed(seed)
@@ -273,5 +276,6 @@ def fit_heads(
         "trainable_parameters": heads.num_trainable(),
         "train": history[-1] if history else {},
         "heldout": evaluate_heads(heads, heldout_features),
+        **{f"heldout_{name}": evaluate_heads(heads, f) for name, f in other_features.items()},
     }
     return heads, report
