@@ -121,27 +121,22 @@ def test_ams_with_a_datastore_is_exact_and_drafts_from_it(tiny):
     greedy = generate(base, torch.tensor(prompt), mode="greedy", max_new_tokens=48, degeneration_guard=False).tokens
     store = Datastore.from_token_lists([list(range(40, 90)), prompt + greedy, [5, 6, 7, 8]])
     store_only = AmsPolicy(heads=False, ngram=False, cost_aware=False)
-    result = generate(
-        base,
-        torch.tensor(prompt),
-        heads=heads,
-        policy=store_only,
-        max_new_tokens=48,
-        degeneration_guard=False,
-        datastore=store,
-    )
+
+    def decode(policy: AmsPolicy, datastore: Datastore):
+        return generate(
+            base,
+            torch.tensor(prompt),
+            heads=heads,
+            policy=policy,
+            max_new_tokens=48,
+            degeneration_guard=False,
+            datastore=datastore,
+        )
+
+    result = decode(store_only, store)
     assert result.tokens == greedy
     assert result.stats["store_steps"] > 0 and result.tau > 3
+    unrelated = Datastore.from_token_lists([[1, 2, 3, 4] * 10, list(range(20, 60))])
     for policy in (AmsPolicy(), AmsPolicy(cost_aware=False, max_nodes=8), AmsPolicy(datastore_depth=2)):
-        unrelated = Datastore.from_token_lists([[1, 2, 3, 4] * 10, list(range(20, 60))])
         for datastore in (store, unrelated):
-            out = generate(
-                base,
-                torch.tensor(prompt),
-                heads=heads,
-                policy=policy,
-                max_new_tokens=48,
-                degeneration_guard=False,
-                datastore=datastore,
-            )
-            assert out.tokens == greedy
+            assert decode(policy, datastore).tokens == greedy

@@ -268,11 +268,11 @@ def format_table(summary: dict) -> str:
     prompts, and those whose output does not end in a loop) and whether its outputs are greedy's."""
     sampled = summary["temperature"] > 0
     last = f"sampled at temperature {summary['temperature']:g}" if sampled else "identical to hf_greedy"
-    lines = [f"{'mode':<20}{'tokens/s':>10}{'tau':>8}{'speedup':>9}{'no loops':>10}  {last}"]
+    lines = [f"{'mode':<24}{'tokens/s':>10}{'tau':>8}{'speedup':>9}{'no loops':>10}  {last}"]
     for mode, row in summary["modes"].items():
         without = summary["speedup_without_loops"][mode]
         lines.append(
-            f"{mode:<20}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}{summary['speedup'][mode]:>8.2f}x"
+            f"{mode:<24}{row['tokens_per_s']:>10.1f}{row['tau']:>8.2f}{summary['speedup'][mode]:>8.2f}x"
             + (f"{without:>9.2f}x" if without is not None else f"{'-':>10}")
             + f"  {'(not compared)' if sampled else _identity(row)}"
         )
