@@ -137,6 +137,12 @@ def test_ams_with_a_datastore_is_exact_and_drafts_from_it(tiny):
     assert result.tokens == greedy
     assert result.stats["store_steps"] > 0 and result.tau > 3
     unrelated = Datastore.from_token_lists([[1, 2, 3, 4] * 10, list(range(20, 60))])
-    for policy in (AmsPolicy(), AmsPolicy(cost_aware=False, max_nodes=8), AmsPolicy(datastore_depth=2)):
+    policies = (
+        AmsPolicy(),
+        AmsPolicy(cost_aware=False, max_nodes=8),
+        AmsPolicy(datastore_depth=2),
+        AmsPolicy(prior_steps=0),
+    )
+    for policy in policies:
         for datastore in (store, unrelated):
             assert decode(policy, datastore).tokens == greedy

@@ -151,11 +151,15 @@ class AcceptanceModel:
         self.chain_tries = [0.0] * (chain_len + 1)
         self.chain_hits = [0.0] * (chain_len + 1)
 
+    @staticmethod
+    def _scale(observed: float, predicted: float) -> float:
+        return observed / predicted if predicted > 0 else 1.0  # no evidence (prior_steps 0): face value
+
     def head_scale(self, depth: int) -> float:
-        return self.observed[depth] / self.predicted[depth] if self.predicted[depth] > 0 else 1.0
+        return self._scale(self.observed[depth], self.predicted[depth])
 
     def store_scale(self, depth: int) -> float:
-        return self.store_observed[depth] / self.store_predicted[depth]
+        return self._scale(self.store_observed[depth], self.store_predicted[depth])
 
     def chain_rate(self, position: int) -> float:
         """P(a chain reaches this position | proposed), Laplace-smoothed."""
