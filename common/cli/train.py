@@ -60,8 +60,8 @@ def train_heads_cmd(
 ) -> None:
     """Centralised head training on cached base features; prints per-head top-1 accuracy on held-out code.
     On a GPU (--device auto finds one) the feature pass, the CPU's bottleneck, runs there."""
-    from common.data.chunks import chunk_files, first_chunks, load_chunks, stdlib_files, text_files
-    from common.data.packages import benchmark_set, public_chunks
+    from common.data.chunks import chunk_files, drawn_chunks, load_chunks, stdlib_files, text_files
+    from common.data.packages import PACKAGE_FILES_PER_BATCH, benchmark_set, public_chunks
     from common.heads.lookahead import ARCHITECTURES
     from common.training.loop import fit_heads
 
@@ -88,10 +88,10 @@ def train_heads_cmd(
         heldout = heldout[torch.randperm(len(heldout), generator=generator)[:eval_chunks]]
         other_heldout = {}
         if not eval_data:  # the honest test of transfer: third-party code no training path reads
-            third_party = first_chunks(benchmark_set("third-party")[0], tokenizer, chunk_len, 2 * eval_chunks, 64)
-            other_heldout["third_party"] = third_party[
-                torch.randperm(len(third_party), generator=generator)[:eval_chunks]
-            ]
+            third_party = benchmark_set("third-party")[0]
+            other_heldout["third_party"] = drawn_chunks(
+                third_party, tokenizer, chunk_len, eval_chunks, generator, PACKAGE_FILES_PER_BATCH
+            )
     except FedLookaheadError as exc:
         fail(str(exc))
     heads, report = fit_heads(

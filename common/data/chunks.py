@@ -129,6 +129,20 @@ def first_chunks(
     return chunks
 
 
+def drawn_chunks(
+    files: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    chunk_len: int,
+    count: int,
+    generator: torch.Generator,
+    files_per_batch: int,
+) -> torch.Tensor:
+    """`count` chunks drawn with `generator` from the first twice-as-many chunks of `files` (in their order):
+    a seeded sample of a large set of files without tokenizing all of them."""
+    pool = first_chunks(files, tokenizer, chunk_len, 2 * count, files_per_batch)
+    return pool[torch.randperm(len(pool), generator=generator)[:count]]
+
+
 def load_chunks(directory: str | Path, tokenizer: PreTrainedTokenizerBase, chunk_len: int) -> torch.Tensor:
     """All chunks of the text files under `directory`; an error if there are none."""
     chunks = chunk_files(text_files(directory), tokenizer, chunk_len)

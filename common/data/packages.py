@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from common.data.chunks import chunk_files, first_chunks, stdlib_files
+from common.data.chunks import chunk_files, drawn_chunks, stdlib_files
 from common.errors import FedLookaheadError
 
 PRIVATE_PACKAGES = (
@@ -138,11 +138,10 @@ def public_chunks(
         raise FedLookaheadError(f"unknown public sources {sources!r}: use {', '.join(PUBLIC_SOURCES)}")
 
     def draw(files: list[Path], need: int | None) -> torch.Tensor:
-        if need is None:
-            pool = chunk_files(files, tokenizer, chunk_len)
-        else:
-            pool = first_chunks(files, tokenizer, chunk_len, 2 * need, PACKAGE_FILES_PER_BATCH)
-        return pool[torch.randperm(len(pool), generator=generator)[:need]]
+        if need is not None:
+            return drawn_chunks(files, tokenizer, chunk_len, need, generator, PACKAGE_FILES_PER_BATCH)
+        pool = chunk_files(files, tokenizer, chunk_len)
+        return pool[torch.randperm(len(pool), generator=generator)]
 
     stdlib = stdlib_files("train")
     stdlib = [stdlib[i] for i in torch.randperm(len(stdlib), generator=generator).tolist()]

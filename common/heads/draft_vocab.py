@@ -49,12 +49,11 @@ def public_draft_vocab(base: BaseModel, size: int, chunks: int = 256, chunk_len:
 
     Files are drawn in a seeded order and tokenized only until twice `chunks` chunks are in hand (the
     whole split took most of a small federation's start-up), and the chunks are drawn from those."""
-    from common.data.chunks import first_chunks, stdlib_files
+    from common.data.chunks import drawn_chunks, stdlib_files
     from common.data.features import base_features
 
     generator = torch.Generator().manual_seed(seed)
     files = stdlib_files("train")
     shuffled = [files[i] for i in torch.randperm(len(files), generator=generator).tolist()]
-    pool = first_chunks(shuffled, base.tokenizer, chunk_len, 2 * chunks, PUBLIC_FILES_PER_BATCH)
-    sample = pool[torch.randperm(len(pool), generator=generator)[:chunks]]
+    sample = drawn_chunks(shuffled, base.tokenizer, chunk_len, chunks, generator, PUBLIC_FILES_PER_BATCH)
     return build_draft_vocab(base, base_features(base, sample), size)
