@@ -33,15 +33,16 @@ from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
 from client import device_hooks, secagg
 from client.state import state_dir_of
 from common.federation import protocol as P
 from common.federation.protocol import (
+    EVALUATE,
     HEADS_CONFIG_RECORD,
     HEADS_RECORD,
-    MEASURE_TAU,
     RUN_KEY,
     EvalReply,
     TrainReply,
@@ -66,8 +67,45 @@ def secaggplus_when_needed(msg: Message, context: Context, call_next):
         return call_next(msg, context)
     if stage == SecAggStage.COLLECT_MASKED_VECTORS:
         bad = secagg.screen_ciphertexts(msg, context)
-        return secagg.name_bad_sources(secaggplus_mod(msg, context, call_next), bad)
+        return secagg.packed(secagg.name_bad_sources(secaggplus_mod(msg, context, call_next), bad), context)
     return secaggplus_mod(msg, context, call_next)
+
+
+def heads_decoded(msg: Message, context: Context, call_next):
+    """The global heads as float32 before anything reads them: the server sends them in its `heads-codec`
+    (common/federation/wire.py), and the update is measured from exactly these."""
+    from common.federation.wire import decode_heads
+
+    if msg.metadata.message_type != MessageType.TRAIN or P.FITINS_PARAMETERS not in msg.content.array_records:
+        return call_next(msg, context)
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    codec = str(fitins.config.get(P.HEADS_CODEC, "float32"))
+    decoded = decode_heads(parameters_to_ndarrays(fitins.parameters), codec)
+    msg.content.array_records[P.FITINS_PARAMETERS] = compat.parameters_to_arrayrecord(
+        ndarrays_to_parameters(decoded), keep_input=False
+    )
+    return call_next(msg, context)
+
+
+def update_sent(msg: Message, context: Context, call_next):
+    """The reply carries the update (new heads minus the heads received), not the heads: small and centred, it
+    survives SecAgg+'s quantization (which `secaggplus_mod` applies next) and, in plain FedAvg, int8
+    (common/federation/wire.py)."""
+    reply = call_next(msg, context)
+    if reply.has_error() or P.FITRES_PARAMETERS not in reply.content.array_records:
+        return reply
+    from common.federation.wire import encode_update
+
+    received = parameters_to_ndarrays(compat.recorddict_to_fitins(msg.content, keep_input=True).parameters)
+    fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+    update = [new - old for new, old in zip(parameters_to_ndarrays(fitres.parameters), received)]
+    # secaggplus_mod quantizes a float32 update itself (it took the stage key out but left its config record)
+    if RECORD_KEY_CONFIGS not in msg.content.config_records:
+        update = encode_update(update)
+    reply.content.array_records[P.FITRES_PARAMETERS] = compat.parameters_to_arrayrecord(
+        ndarrays_to_parameters(update), keep_input=False
+    )
+    return reply
 
 
 def fixedclipping_when_asked(msg: Message, context: Context, call_next):
@@ -142,7 +180,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     )
 
     config = client_config(context)
-    base = cached_base(config)
+    base = cached_base(config, body=False)  # heads train on cached features: no decoder layer is needed
     heads = heads_from_config(fit_config, base)  # BaseMismatchError when fingerprints differ
     load_ndarrays(heads, arrays)
     device_hooks.train_started(context, fit_config, heads)  # a device keeps the global heads it was sent
@@ -214,9 +252,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     from common.training.loop import evaluate_heads
 
     config = client_config(context)
-    base = cached_base(config)
+    asked = bool(msg.content[HEADS_CONFIG_RECORD].get(EVALUATE, True))
+    measure_tau = asked and config.client_eval_prompts > 0
+    base = cached_base(config, body=measure_tau)  # decoding needs the layers; head accuracy needs features only
     heads = heads_from_records(msg.content[HEADS_RECORD], msg.content[HEADS_CONFIG_RECORD], base)
     device_hooks.heads_received(context, heads, msg.content[HEADS_CONFIG_RECORD])
+    if not asked:  # a push of the final heads: kept, not measured
+        return Message(
+            RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(EvalReply(num_examples=0).to_metrics())}), reply_to=msg
+        )
     data = client_data(config, base, dict(context.node_config))
     started = time.perf_counter()
     summary, tau = None, None
@@ -224,7 +268,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         summary = evaluate_heads(
             heads, client_features(config, base, data.heldout, dict(context.node_config)), batch_size=config.batch_size
         )
-        if bool(msg.content[HEADS_CONFIG_RECORD].get(MEASURE_TAU, True)):
+        if measure_tau:
             prompts = chunk_prompts(data.heldout, config.client_eval_prompts, config.eval_prompt_len)
             tau = decode_tau(base, heads, prompts, config.eval_max_new_tokens)
     measured = EvalReply(
@@ -241,10 +285,14 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)
 
 
+# outermost first: decode the heads, hide a device's weight, mask (SecAgg+), send the update, clip it
+TRAIN_MODS = (heads_decoded, device_weight_hidden, secaggplus_when_needed, update_sent, fixedclipping_when_asked)
+
+
 def client_app(mods: Sequence[Mod] = ()) -> ClientApp:
     """The ClientApp; `mods` wrap both handlers outside the product's own (simulations inject faults so)."""
     built = ClientApp(mods=list(mods))
-    built.train(mods=[device_weight_hidden, secaggplus_when_needed, fixedclipping_when_asked])(train)
+    built.train(mods=list(TRAIN_MODS))(train)
     built.evaluate()(evaluate)
     return built
 

@@ -23,6 +23,7 @@ import torch
 from client.node_config import STATE_DIR_KEY
 from client.state import StateDir
 from common.data.chunks import read_text, stdlib_dir, stdlib_files, text_files
+from common.data.packages import PRIVATE_PACKAGES, package_sources
 from common.durable import replace_file
 from common.errors import FedLookaheadError
 from common.model.base import BaseModel
@@ -30,6 +31,7 @@ from common.paths import cache_root
 
 log = logging.getLogger(__name__)
 
+PRIVATE_SOURCE = "private-packages"  # data-source of the simulated users' code: the private package split
 _LOCK = threading.Lock()
 _CORPORA: dict[tuple, "Corpus"] = {}
 
@@ -42,10 +44,13 @@ class Corpus:
 
 @functools.lru_cache(maxsize=16)
 def _group_files(source: str) -> list[tuple[Path, str]]:
-    """(file, group) pairs: stdlib train split grouped by top-level name, or a folder by first component.
+    """(file, group) pairs: stdlib train split grouped by top-level name, the private installed packages
+    (common/data/packages.py) by package, or a folder by first component.
 
     Listed once per process (the stdlib walk alone takes over a second).
     """
+    if source == PRIVATE_SOURCE:
+        return [(path, name) for name in PRIVATE_PACKAGES for path in package_sources(name)]
     if source == "stdlib":
         root = stdlib_dir()
         return [(p, p.relative_to(root).parts[0].removesuffix(".py")) for p in stdlib_files("train")]

@@ -36,13 +36,12 @@ def split_local(chunks: torch.Tensor, config: FedConfig, salt: int) -> tuple[tor
     return chunks[heldout:], chunks[:heldout]
 
 
-def feature_cache_dir(config: FedConfig, node_config: dict) -> Path:
+def feature_cache_dir(node_config: dict) -> Path:
     """Where this client's base features live: under its state folder when it has one (device data
-    stays with the device), else the FedLookahead cache."""
+    stays with the device), else the FedLookahead cache, shared by every run of simulated clients (a
+    population's features are computed once, not once per run)."""
     if node_config.get(STATE_DIR_KEY):
         return StateDir(Path(str(node_config[STATE_DIR_KEY])).expanduser()).features
-    if config.client_state_dir:
-        return Path(config.client_state_dir).expanduser() / "features"
     return cache_root() / "features"
 
 
@@ -50,7 +49,7 @@ def client_features(
     config: FedConfig, base: BaseModel, chunks: torch.Tensor, node_config: dict, progress: bool = False
 ) -> Features:
     """Base features of this client's chunks, computed once and reused across rounds (common/data/features.py)."""
-    return base_features(base, chunks, feature_cache_dir(config, node_config), progress=progress)
+    return base_features(base, chunks, feature_cache_dir(node_config), progress=progress)
 
 
 def client_data(config: FedConfig, base: BaseModel, node_config: dict, progress: bool = False) -> ClientData:

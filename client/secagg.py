@@ -13,11 +13,13 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message
 from flwr.app.message_type import MessageType
 from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+from flwr.common import bytes_to_ndarray, ndarray_to_bytes
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
 from common.federation.protocol import BAD_SHARE_SOURCES
+from common.federation.wire import pack_masked
 
 
 def secagg_stage(msg: Message) -> str | None:
@@ -53,4 +55,16 @@ def screen_ciphertexts(msg: Message, context: Context) -> list[int]:
 def name_bad_sources(reply: Message, bad: list[int]) -> Message:
     if bad and not reply.has_error():
         reply.content.config_records[RECORD_KEY_CONFIGS][BAD_SHARE_SOURCES] = bad
+    return reply
+
+
+def packed(reply: Message, context: Context) -> Message:
+    """The masked vector of a collect-stage reply in the narrowest type its modulus allows (Flower sends int64)."""
+    if reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+        return reply
+    configs = reply.content.config_records[RECORD_KEY_CONFIGS]
+    if Key.MASKED_PARAMETERS in configs:
+        state = SecAggPlusState(**context.state.config_records[RECORD_KEY_STATE])
+        arrays = [bytes_to_ndarray(b) for b in configs[Key.MASKED_PARAMETERS]]
+        configs[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in pack_masked(arrays, state.mod_range)]
     return reply

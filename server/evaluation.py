@@ -23,7 +23,7 @@ from common.data.chunks import chunk_files, prompts_from_files, stdlib_files
 from common.data.features import base_features
 from common.decoding.tau import decode_tau
 from common.federation.config import FedConfig
-from common.federation.protocol import HEADS_CONFIG_RECORD, HEADS_RECORD, MEASURE_TAU, ROUND_KEY, EvalReply, ReplyError
+from common.federation.protocol import EVALUATE, HEADS_CONFIG_RECORD, HEADS_RECORD, ROUND_KEY, EvalReply, ReplyError
 from common.federation.records import heads_records
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
@@ -85,7 +85,8 @@ def client_evaluation(
 ) -> dict[str, Any]:
     """Push the global heads (native ArrayRecord + ConfigRecord) to a sample of clients and average their eval.
 
-    After the last round (`final`) the heads go to every node; the sampled ones also measure tau.
+    After the last round (`final`) the heads go to every node, which keeps them; only the sampled ones measure
+    them (head accuracy, and tau with client-eval-prompts), so the push costs a population no evaluation.
     """
     if (config.fraction_evaluate <= 0 and not final) or not nodes:
         return {"evaluated": 0}
@@ -96,10 +97,10 @@ def client_evaluation(
     messages = []
     for node in targets:
         node_cfg = copy.deepcopy(cfg)
-        node_cfg[MEASURE_TAU] = node in sampled
+        node_cfg[EVALUATE] = node in sampled
         messages.append(
-            Message(
-                RecordDict({HEADS_RECORD: copy.deepcopy(arrays), HEADS_CONFIG_RECORD: node_cfg}),
+            Message(  # one heads record for every message: a population's final push would copy it per node
+                RecordDict({HEADS_RECORD: arrays, HEADS_CONFIG_RECORD: node_cfg}),
                 dst_node_id=node,
                 message_type=MessageType.EVALUATE,
                 group_id=f"eval-{server_round}",

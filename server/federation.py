@@ -22,8 +22,9 @@ from flwr.server.compat.app_utils import start_update_client_manager_thread
 from flwr.serverapp.grid import Grid
 
 from common.errors import FedLookaheadError
-from common.federation.config import FedConfig, secagg_shares_and_threshold
+from common.federation.config import FedConfig
 from common.federation.records import heads_to_ndarrays
+from common.federation.wire import secagg_plan
 from common.heads.draft_vocab import public_draft_vocab
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel, load_base
@@ -85,8 +86,9 @@ def wait_for_nodes(grid: Grid, config: FedConfig) -> list[int]:
     return nodes
 
 
-def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
-    """Up-front checks that Flower itself does not make (its strategies hang or abort mid-run instead)."""
+def check_federation(config: FedConfig, num_nodes: int, num_parameters: int = 0) -> dict[str, Any]:
+    """Up-front checks that Flower itself does not make (its strategies hang or abort mid-run instead), and
+    SecAgg+'s parameters for the cohort (`num_parameters`: the update's length, which sets its clipping)."""
     if config.min_train_clients > num_nodes:
         raise FedLookaheadError(
             f"min-train-clients ({config.min_train_clients}) exceeds the {num_nodes} connected node(s): "
@@ -99,15 +101,14 @@ def check_federation(config: FedConfig, num_nodes: int) -> dict[str, Any]:
     if config.secagg:
         if sampled < 2:
             raise FedLookaheadError("SecAgg+ needs at least 2 clients per round (Flower aborts with fewer)")
-        shares, threshold = secagg_shares_and_threshold(config, sampled)
-        neighbours = min(shares, sampled)
-        if threshold > neighbours:
+        secagg = secagg_plan(config, sampled, num_parameters)
+        neighbours = min(secagg.num_shares, sampled)
+        if secagg.threshold > neighbours:
             raise FedLookaheadError(
-                f"SecAgg+ threshold {threshold} exceeds the {neighbours} neighbours each client has "
-                f"({sampled} clients per round, {shares} shares): every round would abort"
+                f"SecAgg+ threshold {secagg.threshold} exceeds the {neighbours} neighbours each client has "
+                f"({sampled} clients per round, {secagg.num_shares} shares): every round would abort"
             )
-        tolerated = config.secagg_tolerated_dropouts(sampled)
-        info.update(num_shares=shares, threshold=threshold, tolerated_dropouts=tolerated)
+        info["secagg"] = secagg.to_dict()
     return info
 
 
@@ -180,7 +181,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
         if start_round > 1:  # a crash may have left the store ahead of or behind the checkpoints
             recorder.reconcile(start_round - 1)
         nodes = wait_for_nodes(grid, config)
-        plan = check_federation(config, len(nodes))
+        plan = check_federation(config, len(nodes), sum(a.size for a in heads_to_ndarrays(heads)))
         plan["privacy"] = privacy_plan(config, start_round)
         if plan["privacy"]["verdict"] == FRESH_DP_VERDICT:  # the plan says so before a run
             log.warning(FRESH_DP_VERDICT)
@@ -217,12 +218,14 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
         ready.wait()
         workflow = None
         if config.secagg:
+            secagg = plan["secagg"]
             workflow = TolerantSecAggPlusWorkflow(
-                num_shares=config.secagg_num_shares,
-                reconstruction_threshold=config.secagg_reconstruction_threshold,
+                num_shares=secagg["num_shares"],
+                reconstruction_threshold=secagg["threshold"],
                 max_weight=config.weight_cap,
-                clipping_range=config.secagg_clipping_range,
-                quantization_range=config.secagg_quantization_range,
+                clipping_range=secagg["clipping_range"],
+                quantization_range=secagg["quantization_range"],
+                modulus_range=secagg["modulus_range"],
                 timeout=config.round_timeout or None,
             )
         ctx = RoundContext(

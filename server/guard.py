@@ -53,9 +53,11 @@ from flwr.serverapp.grid import Grid
 from flwr.supercore.differential_privacy import get_norm
 from flwr.supercore.run import Run
 
+from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.protocol import BAD_SHARE_SOURCES, FITRES_PARAMETERS, ReplyError, TrainReply
+from common.federation.protocol import BAD_SHARE_SOURCES, FITINS_PARAMETERS, FITRES_PARAMETERS, ReplyError, TrainReply
 from common.federation.records import validate_masked, validate_update
+from common.federation.wire import decode_update, masked_dtype
 from server.secagg import SecAggWitness
 
 log = logging.getLogger(
@@ -63,7 +65,6 @@ log = logging.getLogger(
 )  # a child of Flower's logger: its handlers stream our lines to `flwr run --stream` / `flwr log`
 
 REJECTED_CODE = 9001  # Error.code of a reply the server refused (Flower's own codes are small integers)
-MOD_RANGE = 4294967296  # SecAggPlusWorkflow's modulus_range (its default; we never change it)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class GuardedGrid(Grid):
         shapes: list[tuple[str, tuple[int, ...]]],
         num_heads: int | None,
         default_timeout: float | None,
-        current: list[np.ndarray] | None = None,
+        modulus_range: int | None = None,
     ) -> None:
         self._grid = grid
         self._config = config
@@ -127,7 +128,7 @@ class GuardedGrid(Grid):
         self.shapes = shapes
         self.num_heads = num_heads
         self.default_timeout = default_timeout
-        self.current = current  # the heads this round sent: a plain update farther than the bound is refused
+        self.modulus_range = modulus_range  # SecAgg+'s modulus (common/federation/wire.py secagg_plan)
         self.secagg = SecAggWitness()
         exchange.update_bound = config.update_bound(sum(math.prod(shape) for _, shape in shapes))
 
@@ -157,8 +158,8 @@ class GuardedGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
         for msg in messages:
-            if msg.metadata.message_type == MessageType.TRAIN and "fitins.parameters" in msg.content.array_records:
-                self.exchange.bytes_down.append(array_record_bytes(msg.content.array_records["fitins.parameters"]))
+            if msg.metadata.message_type == MessageType.TRAIN and FITINS_PARAMETERS in msg.content.array_records:
+                self.exchange.bytes_down.append(array_record_bytes(msg.content.array_records[FITINS_PARAMETERS]))
         wanted = {m.metadata.dst_node_id for m in messages}
         replies = list(
             self._grid.send_and_receive(messages, timeout=timeout if timeout is not None else self.default_timeout)
@@ -276,34 +277,35 @@ class GuardedGrid(Grid):
                 arrays = [bytes_to_ndarray(b) for b in payload]
             except Exception as exc:  # noqa: BLE001 - anything undecodable is a malformed reply
                 raise ReplyError(f"undecodable masked vector ({type(exc).__name__})") from None
-            reason = validate_masked(arrays, self.shapes, MOD_RANGE)
+            if self.modulus_range is None:
+                raise ReplyError("masked vector sent to a round without SecAgg+")
+            reason = validate_masked(arrays, self.shapes, self.modulus_range)
             if reason:
                 raise ReplyError(reason)
+            wanted = masked_dtype(self.modulus_range)  # Flower sums in the vectors' own type: it must wrap right
+            if any(np.asarray(a).dtype != wanted for a in arrays):
+                raise ReplyError(f"masked vector must be {wanted} for modulus {self.modulus_range}")
         else:
             if self._config.secagg:
                 raise ReplyError("plain update sent to a SecAgg+ round")
             self.exchange.bytes_up.append(array_record_bytes(content.array_records[FITRES_PARAMETERS]))
-            try:
-                arrays = parameters_to_ndarrays(fitres.parameters)
+            try:  # the update, new heads minus the heads sent, in int8 (common/federation/wire.py)
+                arrays = decode_update(parameters_to_ndarrays(fitres.parameters))
+            except FedLookaheadError as exc:
+                raise ReplyError(f"malformed update: {exc}") from None
             except Exception as exc:  # noqa: BLE001
                 raise ReplyError(f"undecodable update ({type(exc).__name__})") from None
-            reason = validate_update(arrays, self.shapes, self._config.secagg_clipping_range)
+            reason = validate_update(arrays, self.shapes, bound=None)
             if reason:
                 raise ReplyError(reason)
-            if self.current is not None and not reply.skipped:
-                distance = update_distance(arrays, self.current)
-                if distance > self.exchange.update_bound * (1 + 1e-6):
+            if not reply.skipped:
+                norm = get_norm([np.asarray(a, dtype=np.float64) for a in arrays])
+                if norm > self.exchange.update_bound * 1.01:  # stochastic int8 rounding lengthens a clipped update
                     raise ReplyError(
-                        f"update norm {distance:.4g} above the bound {self.exchange.update_bound:.4g} (update-max-norm)"
+                        f"update norm {norm:.4g} above the bound {self.exchange.update_bound:.4g} (update-max-norm)"
                     )
-                self.exchange.update_norms[node] = distance
+                self.exchange.update_norms[node] = norm
         self.exchange.checked[node] = reply
-
-
-def update_distance(arrays: list[np.ndarray], reference: list[np.ndarray]) -> float:
-    """The L2 norm of `arrays - reference` over every tensor: Flower's `get_norm`, the one its
-    fixedclipping_mod clips by on the clients."""
-    return get_norm([np.subtract(a, r) for a, r in zip(arrays, reference)])
 
 
 def short_reason(reason: str, limit: int = 300) -> str:

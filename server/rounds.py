@@ -35,7 +35,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.protocol import ROUND_KEY, RUN_KEY
+from common.federation.protocol import HEADS_CODEC, ROUND_KEY, RUN_KEY
 from common.federation.records import (
     heads_config_dict,
     heads_to_ndarrays,
@@ -43,6 +43,7 @@ from common.federation.records import (
     validate_update,
     wire_shapes,
 )
+from common.federation.wire import decode_update, encode_heads
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
 from server.evaluation import ServerEval, client_evaluation
@@ -84,7 +85,7 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
         wire_shapes(heads),
         heads.num_heads,
         default_timeout=config.round_timeout or None,
-        current=heads_to_ndarrays(heads),
+        modulus_range=ctx.workflow.modulus_range if ctx.workflow is not None else None,
     )
     _fit(ctx, guarded, heads, server_round)
     fit_seconds = time.perf_counter() - started
@@ -122,8 +123,13 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     """One train exchange through Flower's workflow; on a good aggregate the server optimiser moves `heads`."""
     config = ctx.config
     exchange = guarded.exchange
+    current = heads_to_ndarrays(heads)
     strategy: Strategy = HeadsStrategy(
-        config, exchange, guarded.shapes, {**heads_config_dict(heads), RUN_KEY: ctx.run_id}
+        config,
+        exchange,
+        guarded.shapes,
+        {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec},
+        current,
     )
     if ctx.user_dp is not None:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
         from server.user_dp import wrap_strategy
@@ -135,7 +141,6 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
         strategy=strategy,
         client_manager=ctx.client_manager,
     )
-    current = heads_to_ndarrays(heads)
     legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
         ndarrays_to_parameters(current), keep_input=True
     )
@@ -169,13 +174,16 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
 
 
 class HeadsStrategy(Strategy):
-    """FedAvg of head weights, weighted by train chunks capped at `FedConfig.weight_cap`; budget-skipped replies
-    (weight 0) add nothing, and a round where every client skipped keeps the heads and says so.
+    """FedAvg of the clients' updates, weighted by train chunks capped at `FedConfig.weight_cap`, added to the
+    global heads; budget-skipped replies (weight 0) add nothing, and a round where every client skipped keeps
+    the heads and says so.
 
-    It reads only what the guard checked (`ExchangeLog.checked`), never the raw FitRes metrics. Under
-    SecAgg+ the workflow has already computed the weighted mean: every result carries it, and this
-    strategy only records the plaintext metrics. In plain mode it computes the mean itself. One strategy
-    serves one round: it writes that round's `exchange`.
+    The heads go out in `heads-codec` and the updates come back as new heads minus the heads decoded
+    (common/federation/wire.py); the mean update is added to the float32 `current` heads, so the global
+    heads never lose precision to the wire. It reads only what the guard checked (`ExchangeLog.checked`),
+    never the raw FitRes metrics. Under SecAgg+ the workflow has already computed the weighted mean update:
+    every result carries it, and this strategy only records the plaintext metrics. In plain mode it computes
+    the mean itself. One strategy serves one round: it writes that round's `exchange`.
     """
 
     def __init__(
@@ -184,11 +192,13 @@ class HeadsStrategy(Strategy):
         exchange: ExchangeLog,
         shapes: list[tuple[str, tuple[int, ...]]],
         fit_config: dict[str, Any],
+        current: list[np.ndarray],
     ) -> None:
         self.config = config
         self.exchange = exchange
         self.shapes = shapes
         self.fit_config = fit_config
+        self.current = current
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return None
@@ -211,11 +221,12 @@ class HeadsStrategy(Strategy):
         clients = client_manager.sample(num_clients=wanted, min_num_clients=wanted)
         log_ = self.exchange
         log_.sampled = [c.node_id for c in clients]
+        sent = ndarrays_to_parameters(encode_heads(parameters_to_ndarrays(parameters), self.config.heads_codec))
         instructions = []
         for client in clients:
             # honest clients clip their update to the guard's bound (Flower's fixedclipping_mod, client/client_app.py)
             config = dict(self.fit_config, **{ROUND_KEY: server_round, KEY_CLIPPING_NORM: log_.update_bound})
-            instructions.append((client, FitIns(parameters, config)))
+            instructions.append((client, FitIns(sent, config)))
         return instructions
 
     def aggregate_fit(
@@ -250,9 +261,10 @@ class HeadsStrategy(Strategy):
             log_.aggregate_note = f"all {len(weighted)} client(s) skipped training (privacy budget): heads unchanged"
             return None, {}
         if self.config.secagg:
-            arrays = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
+            mean = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
         else:
-            arrays = _weighted_mean(weighted, total)
+            mean = _weighted_mean(weighted, total)
+        arrays = [np.asarray(c, np.float64) + np.asarray(m, np.float64) for c, m in zip(self.current, mean)]
         reason = validate_update(
             [np.asarray(a, dtype=np.float32) for a in arrays],
             self.shapes,
@@ -278,14 +290,16 @@ class HeadsStrategy(Strategy):
 
 
 def _weighted_mean(weighted: list[tuple[FitRes, int]], total: int) -> list[np.ndarray]:
-    """The mean of the updates, each weighted by its (capped) weight over `total`."""
-    per_client = [(parameters_to_ndarrays(res.parameters), weight) for res, weight in weighted if weight]
-    out = []
-    for index in range(len(per_client[0][0])):
-        acc = np.zeros(per_client[0][0][index].shape, dtype=np.float64)
-        for arrays, weight in per_client:
-            acc += arrays[index].astype(np.float64) * (weight / total)
-        out.append(acc.astype(np.float32))
+    """The mean of the updates, each weighted by its (capped) weight over `total`, read one client at a time."""
+    out: list[np.ndarray] = []
+    for res, weight in weighted:
+        if not weight:
+            continue
+        arrays = decode_update(parameters_to_ndarrays(res.parameters))  # the guard has checked it decodes
+        if not out:
+            out = [np.zeros(a.shape, dtype=np.float64) for a in arrays]
+        for acc, array in zip(out, arrays):
+            acc += array.astype(np.float64) * (weight / total)
     return out
 
 

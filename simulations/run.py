@@ -185,7 +185,7 @@ def warn_if_secagg_cannot_survive(faults: FaultPlan, run_config: dict, num_nodes
     if not config.secagg:
         return
     plan = check_federation(config, num_nodes)
-    sampled, tolerated = plan["clients_per_round"], plan["tolerated_dropouts"]
+    sampled, tolerated = plan["clients_per_round"], plan["secagg"]["tolerated_dropouts"]
     drops = int(round(faults.dropout_rate * sampled))
     if drops > tolerated:
         print(

@@ -12,6 +12,7 @@ from pathlib import Path
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
 import pytest
+import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import FitRes, ndarray_to_bytes, ndarrays_to_parameters, parameters_to_ndarrays
@@ -19,12 +20,19 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from client import client_app as client_module
-from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
+from client.client_app import (
+    fixedclipping_when_asked,
+    heads_decoded,
+    secaggplus_when_needed,
+    train_handler,
+    update_sent,
+)
 from client.node_config import STATE_DIR_KEY
 from client.training.dp import epsilon_of
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.records import heads_to_ndarrays
+from common.federation.wire import as_received, decode_update, encode_update, secagg_plan
 from common.heads.lookahead import DraftHeads
 from server.federation import run_federation
 from tests.conftest import LOOPBACK_URL
@@ -35,7 +43,7 @@ from simulations.inprocess import InProcessGrid  # noqa: E402
 
 
 def recording_app(
-    sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None, outer_mods=()
+    sent: dict, corrupt=None, corrupt_masked=None, corrupt_eval=None, corrupt_stage=None, outer_mods=(), received=None
 ) -> ClientApp:
     """The real train and evaluate handlers, recording each client's plain update before SecAgg+ masks
     it; `outer_mods` wrap everything (as a simulation's fault injection does); `corrupt*` change a
@@ -61,20 +69,37 @@ def recording_app(
             corrupt_stage(context.node_id, stage, record, earlier)
         return reply
 
-    def fitres_corrupter(msg, context, call_next):  # a hostile client skips the clip, not the masking
+    def fitres_corrupter(msg, context, call_next):  # a hostile client changes its update, skips the clip, still masks
         reply = call_next(msg, context)
         if corrupt and reply.has_content() and "fitres.parameters" in reply.content.array_records:
-            fitres = corrupt(context.node_id, compat.recorddict_to_fitres(reply.content, keep_input=False))
+            fitres = compat.recorddict_to_fitres(reply.content, keep_input=False)
+            plain = RECORD_KEY_CONFIGS not in msg.content.config_records  # plain updates travel in int8
+            if plain:
+                fitres.parameters = ndarrays_to_parameters(decode_update(parameters_to_ndarrays(fitres.parameters)))
+            fitres = corrupt(context.node_id, fitres)
+            if plain:
+                fitres.parameters = ndarrays_to_parameters(encode_update(parameters_to_ndarrays(fitres.parameters)))
             reply.content = compat.fitres_to_recorddict(fitres, keep_input=False)
         return reply
 
     app = ClientApp(mods=list(outer_mods))
 
-    @app.train(mods=[masked_corrupter, secaggplus_when_needed, fitres_corrupter, fixedclipping_when_asked])
+    @app.train(
+        mods=[
+            heads_decoded,
+            masked_corrupter,
+            secaggplus_when_needed,
+            fitres_corrupter,
+            update_sent,
+            fixedclipping_when_asked,
+        ]
+    )
     def train(msg: Message, context: Context) -> Message:
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)
         sent[context.node_id] = (parameters_to_ndarrays(fitres.parameters), fitres.num_examples)
+        if received is not None:
+            received[context.node_id] = parameters_to_ndarrays(fitins.parameters)
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
     @app.evaluate()
@@ -88,6 +113,9 @@ def recording_app(
 
 
 def run(run_config: dict, app: ClientApp, nodes: int = 4) -> tuple:
+    """The run, with the heads sent in float32 unless the config says otherwise: the tests compare the global
+    heads with the mean of what clients sent, which the int8 codec moves by its rounding (tested on its own)."""
+    run_config = {"heads-codec": "float32", **run_config}
     grid = InProcessGrid(app, nodes, run_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
@@ -107,9 +135,20 @@ def weighted_mean(updates: list[tuple[list[np.ndarray], int]]) -> list[np.ndarra
     return [sum(arrays[i].astype(np.float64) * w / total for arrays, w in updates) for i in range(len(updates[0][0]))]
 
 
-def secagg_tolerance(config: FedConfig, weights: list[int]) -> float:
-    """Stochastic quantisation: each client's weighted value is off by < one step 2c/Q, the sum by n steps."""
-    step = 2 * config.secagg_clipping_range / config.secagg_quantization_range
+def int8_step(sent: dict, received: dict) -> float:
+    """The most a plain update's int8 rounding moves one weight: the largest update's step (its max / 127)."""
+    return (
+        max(float(np.abs(a - r).max()) for node, (arrays, _) in sent.items() for a, r in zip(arrays, received[node]))
+        / 127
+    )
+
+
+def secagg_tolerance(config: FedConfig, sent: list[tuple[list[np.ndarray], int]], sampled: int = 4) -> float:
+    """Stochastic quantisation: each client's weighted update is off by < one step 2c/Q, the sum by n steps
+    (c and Q by rule for the round's `sampled` clients, common/federation/wire.py)."""
+    plan = secagg_plan(config, sampled, sum(a.size for a in sent[0][0]))
+    step = 2 * plan.clipping_range / plan.quantization_range
+    weights = [w for _, w in sent]
     return len(weights) * step / (sum(weights) / config.weight_cap) + 1e-6
 
 
@@ -122,7 +161,7 @@ def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
     assert len(sent) == 4
     config = FedConfig.from_mapping(run_config)
     expected = weighted_mean(list(sent.values()))
-    tolerance = secagg_tolerance(config, [w for _, w in sent.values()])
+    tolerance = secagg_tolerance(config, list(sent.values()))
     secure = global_heads(run_dir, tiny_base)
     worst = max(float(np.abs(s - e).max()) for s, e in zip(secure, expected))
     assert worst <= tolerance, (worst, tolerance)
@@ -130,9 +169,9 @@ def test_secagg_dp_aggregate_equals_plain_weighted_mean(run_config, tiny_base):
     assert spread > 20 * tolerance  # the clients really differ (DP noise), so the check is not vacuous
     privacy = summary["rounds"][0]["privacy"]
     assert 0 < privacy["epsilon_max"] <= 8.0 and privacy["delta"] == 1e-5
-    head_bytes = sum(a.astype(np.float32).nbytes for a in expected)
-    assert head_bytes <= record["bytes"]["down_per_client"] < head_bytes + 4096  # the heads and nothing else
-    assert record["bytes"]["up_per_client"] >= 2 * head_bytes  # masked int64 vector
+    values = sum(a.size for a in expected)
+    assert 4 * values <= record["bytes"]["down_per_client"] < 4 * values + 4096  # the heads and nothing else
+    assert 2 * values <= record["bytes"]["up_per_client"] < 2 * values + 4096  # the masked update in uint16
     assert record["client_eval"]["pushed_to"] == 4  # the last round pushes the final heads to every node
     assert record["client_eval"]["evaluated"] == 4
     assert (run_dir / "checkpoints" / "round-1" / "heads.safetensors").is_file()
@@ -155,7 +194,7 @@ def test_secagg_survives_a_mid_round_dropout(run_config, tiny_base):
     config = FedConfig.from_mapping(run_config)
     expected = weighted_mean(list(sent.values()))
     secure = global_heads(run_dir, tiny_base)
-    tolerance = secagg_tolerance(config, [w for _, w in sent.values()])
+    tolerance = secagg_tolerance(config, list(sent.values()))
     assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
 
 
@@ -174,17 +213,20 @@ def _corrupt_plain(node_id: int, fitres: FitRes) -> FitRes:
 
 def test_plain_fedavg_rejects_malformed_replies_and_keeps_going(run_config, tiny_base):
     sent: dict = {}
-    run_dir, summary, _ = run(dict(run_config, secagg=False), recording_app(sent, corrupt=_corrupt_plain))
+    received: dict = {}
+    run_dir, summary, _ = run(
+        dict(run_config, secagg=False), recording_app(sent, corrupt=_corrupt_plain, received=received)
+    )
     record = round_record(run_dir)
     reasons = sorted(r["reason"] for r in record["participation"]["rejected"])
     assert len(reasons) == 3
-    assert any("non-finite" in r for r in reasons)
+    assert any("one finite scale per" in r for r in reasons)  # NaN in an int8 update shows in its scales
     assert any("wrong shape" in r for r in reasons)
-    assert any("out-of-range" in r for r in reasons)
+    assert any("update norm 1000 above the bound" in r for r in reasons)
     assert record["aggregated"] and record["participation"]["succeeded"] == 1
     honest = sent[1003][0]
     for got, want in zip(global_heads(run_dir, tiny_base), honest):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)  # only the honest update made it in
+        np.testing.assert_allclose(got, want, rtol=0, atol=int8_step(sent, received))  # only the honest one
     stored = summary["rounds"][0]["participation"]["rejected"]
     assert sorted(r["reason"] for r in stored) == reasons  # logged in the run store too
 
@@ -213,8 +255,11 @@ def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_co
         elif node_id == 1002:
             metrics["num-examples"] = [3]
 
+    received: dict = {}
     run_dir, summary, _ = run(
-        dict(run_config, secagg=False), recording_app(sent, corrupt, corrupt_eval=corrupt_eval), nodes=5
+        dict(run_config, secagg=False),
+        recording_app(sent, corrupt, corrupt_eval=corrupt_eval, received=received),
+        nodes=5,
     )
     assert summary["run"]["status"] == "finished"
     record = round_record(run_dir)
@@ -233,7 +278,7 @@ def test_bad_values_are_rejected_a_huge_weight_capped_and_the_run_goes_on(run_co
     assert record["participation"]["weights"] == {"1003": cap, "1004": sent[1004][1]}
     expected = weighted_mean([(sent[1003][0], cap), sent[1004]])
     for got, want in zip(global_heads(run_dir, tiny_base), expected):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=0, atol=int8_step(sent, received))
     client_eval = record["client_eval"]
     assert client_eval["evaluated"] == 2 and sorted(client_eval["rejected"]) == [
         "head-accuracy must be a list of numbers, got float 0.5",
@@ -261,7 +306,7 @@ def test_secagg_rejects_a_plaintext_weight_above_the_cap(run_config, tiny_base, 
     assert record["participation"]["capped_weights"] == {}  # nothing claims a cap the server could not apply
     assert record["aggregated"], record["aggregate_note"]
     honest = [v for node, v in sent.items() if node != 1000]
-    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
+    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), list(honest))
     expected = weighted_mean(honest)
     secure = global_heads(run_dir, tiny_base)
     assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
@@ -285,7 +330,7 @@ def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_confi
     assert record["aggregated"], record["aggregate_note"]
     honest = [v for node, v in sent.items() if node not in (1001, 1002)]
     expected = weighted_mean(honest)
-    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), [w for _, w in honest])
+    tolerance = secagg_tolerance(FedConfig.from_mapping(run_config), list(honest), sampled=5)
     secure = global_heads(run_dir, tiny_base)
     assert max(float(np.abs(s - e).max()) for s, e in zip(secure, expected)) <= tolerance
 
@@ -293,6 +338,35 @@ def test_secagg_rejects_a_malformed_masked_vector_and_unmasks_the_rest(run_confi
 def _init_heads(tiny_base, tmp_path) -> tuple[str, list[np.ndarray]]:
     folder = DraftHeads.fresh(tiny_base, 2).save(tmp_path / "init-heads")
     return str(folder), heads_to_ndarrays(DraftHeads.load(folder, tiny_base))
+
+
+@pytest.mark.parametrize("secagg", [True, False])
+def test_int8_heads_go_down_and_the_mean_update_is_added_to_the_float32_heads(run_config, tiny_base, tmp_path, secagg):
+    """heads-codec=int8: clients train from the int8-rounded heads and send their update; the server adds the
+    mean update to its float32 heads, so the rounding never enters the global heads."""
+    heads = DraftHeads.fresh(tiny_base, 2)
+    with torch.no_grad():  # trained-looking weights: a fresh layout (zeros, identities) is exact in int8
+        for parameter in heads.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    init = str(heads.save(tmp_path / "init-heads"))
+    start = heads_to_ndarrays(DraftHeads.load(init, tiny_base))
+    config = dict(run_config, **{"dp": False, "init-heads": init, "heads-codec": "int8", "secagg": secagg})
+    received = as_received(start, "int8")
+    assert max(float(np.abs(r - s).max()) for r, s in zip(received, start)) > 1e-4  # the rounding is real
+    sent: dict = {}
+    run_dir, _, _ = run(config, recording_app(sent))
+    record = round_record(run_dir)
+    assert record["aggregated"], record["aggregate_note"]
+    updates = [([a - r for a, r in zip(arrays, received)], w) for arrays, w in sent.values()]
+    expected = [s + m for s, m in zip(start, weighted_mean(updates))]
+    if secagg:
+        tolerance = secagg_tolerance(FedConfig.from_mapping(config), list(sent.values()))
+    else:  # each update travels in float16
+        tolerance = max(float(np.abs(a).max()) for arrays, _ in updates for a in arrays) / 127
+    worst = max(float(np.abs(g - e).max()) for g, e in zip(global_heads(run_dir, tiny_base), expected))
+    assert worst <= tolerance, (worst, tolerance)
+    values = sum(a.size for a in start)
+    assert values <= record["bytes"]["down_per_client"] < values + 4096  # one byte a weight, plus row scales
 
 
 def _distance(arrays: list[np.ndarray], reference: list[np.ndarray]) -> float:
@@ -307,12 +381,10 @@ def test_plain_fedavg_refuses_an_update_beyond_the_norm_bound(run_config, tiny_b
     sent: dict = {}
     limit = FedConfig.from_mapping(config).secagg_clipping_range
 
-    def boost(node_id: int, fitres: FitRes) -> FitRes:
+    def boost(node_id: int, fitres: FitRes) -> FitRes:  # its update, as it travels
         if node_id != 1000:
             return fitres
-        arrays = [
-            np.clip(s + 1e6 * (a - s), -limit, limit) for a, s in zip(parameters_to_ndarrays(fitres.parameters), start)
-        ]
+        arrays = [np.clip(1e6 * a, -limit, limit) for a in parameters_to_ndarrays(fitres.parameters)]
         return FitRes(fitres.status, ndarrays_to_parameters(arrays), fitres.num_examples, fitres.metrics)
 
     run_dir, _, _ = run(config, recording_app(sent, boost))
@@ -323,7 +395,9 @@ def test_plain_fedavg_refuses_an_update_beyond_the_norm_bound(run_config, tiny_b
     bound = record["update_norm"]["bound"]
     assert record["update_norm"]["checked"] and record["update_norm"]["max"] <= bound
     honest = [v for node, v in sent.items() if node != 1000]
-    np.testing.assert_allclose(global_heads(run_dir, tiny_base)[0], weighted_mean(honest)[0], rtol=1e-5, atol=1e-6)
+    update = weighted_mean(honest)[0] - start[0]
+    largest = max(float(np.abs(arrays[0] - start[0]).max()) for arrays, _ in honest)  # each travelled in int8
+    np.testing.assert_allclose(global_heads(run_dir, tiny_base)[0] - start[0], update, rtol=0, atol=largest / 127)
 
 
 def test_honest_clients_clip_their_update_to_the_bound_under_secagg(run_config, tiny_base, tmp_path):
@@ -337,7 +411,7 @@ def test_honest_clients_clip_their_update_to_the_bound_under_secagg(run_config, 
     record = round_record(run_dir)
     assert record["aggregated"] and record["update_norm"] == {"bound": bound, "checked": False}
     assert min(_distance(arrays, start) for arrays, _ in sent.values()) > 10 * bound  # what they trained
-    tolerance = secagg_tolerance(FedConfig.from_mapping(config), [w for _, w in sent.values()])
+    tolerance = secagg_tolerance(FedConfig.from_mapping(config), list(sent.values()))
     moved = _distance(global_heads(run_dir, tiny_base), start)
     size = sum(a.size for a in start)
     assert 0 < moved <= bound + tolerance * np.sqrt(size)
@@ -458,7 +532,7 @@ def test_a_hostile_secagg_client_is_dropped_and_named_and_the_round_goes_on(
     assert record["participation"]["failures"] == {}  # no honest node is recorded as failing
     assert record["aggregated"], record["aggregate_note"]
     counted = [v for node, v in sent.items() if node not in named or (in_sum and node == HOSTILE)]
-    tolerance = secagg_tolerance(FedConfig.from_mapping(config), [w for _, w in counted])
+    tolerance = secagg_tolerance(FedConfig.from_mapping(config), list(counted), sampled=5)
     secure = global_heads(run_dir, tiny_base)
     assert max(float(np.abs(s - e).max()) for s, e in zip(secure, weighted_mean(counted))) <= tolerance
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from common.federation.config import FedConfig
 from common.federation.protocol import EvalReply, ReplyError, TrainReply
+from common.federation.wire import encode_update
 from common.heads.lookahead import DraftHeads
 from server.evaluation import client_evaluation
 from server.guard import REJECTED_CODE, ExchangeLog, GuardedGrid
@@ -63,11 +64,13 @@ def update(value: float) -> list[np.ndarray]:
 
 
 def fit_reply(
-    num_examples: Any = 10, metrics: dict | None = None, arrays: list[np.ndarray] | None = None
+    num_examples: Any = 10, metrics: dict | None = None, arrays: list[np.ndarray] | None = None, raw: bool = False
 ) -> RecordDict:
+    """A train reply with this update, in the int8 layout honest clients send (`raw`: the arrays as given)."""
+    arrays = update(0.0) if arrays is None else arrays
     res = FitRes(
         Status(Code.OK, ""),
-        ndarrays_to_parameters(update(0.0) if arrays is None else arrays),
+        ndarrays_to_parameters(arrays if raw else encode_update(arrays)),
         num_examples,
         train_metrics() if metrics is None else metrics,
     )
@@ -84,7 +87,8 @@ def grid_of(replies: list[RecordDict]) -> InProcessGrid:
 
 
 def plain_config(**changes: Any) -> FedConfig:
-    return FedConfig.from_mapping({"secagg": False, "max-chunks-per-client": 12, **changes})
+    """Plain FedAvg whose update bound (update-max-norm) lets these crafted updates through unless huge."""
+    return FedConfig.from_mapping({"secagg": False, "max-chunks-per-client": 12, "update-max-norm": 100.0, **changes})
 
 
 def guard_round(
@@ -110,7 +114,7 @@ def aggregate(guard: GuardedGrid, replies: list[Message], config: FedConfig | No
         for r in replies
         if not r.has_error()
     ]
-    strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {})
+    strategy = HeadsStrategy(config or plain_config(), guard.exchange, guard.shapes, {}, current=update(0.0))
     parameters, _ = strategy.aggregate_fit(1, results, [])
     return None if parameters is None else parameters_to_ndarrays(parameters)
 
@@ -285,19 +289,25 @@ def test_fuzzed_train_replies_never_escape_the_guard(num_examples, metrics, arra
         "clip": update(1e6),
         "dtype": [np.zeros((2, 3), np.complex64), np.zeros(3, np.float32)],
     }[arrays]
-    guard, replies = guard_round([fit_reply(num_examples, metrics, crafted), fit_reply(10, arrays=update(1.0))])
+    raw = arrays != "ok"  # a hostile client sends whatever it likes on the wire
+    guard, replies = guard_round([fit_reply(num_examples, metrics, crafted, raw), fit_reply(10, arrays=update(1.0))])
     parsed = None
     try:
         parsed = TrainReply.from_metrics(num_examples, metrics, NUM_HEADS)
     except ReplyError:
         pass
     bad_update = arrays != "ok"
+    try:  # a value Flower's records cannot type (an empty list) makes the reply unreadable to its workflow too
+        compat.recorddict_to_fitres(fit_reply(num_examples, metrics, crafted, raw), keep_input=True)
+        unreadable = False
+    except TypeError:
+        unreadable = True
     if replies[0].has_error():
-        assert parsed is None or bad_update
+        assert parsed is None or bad_update or unreadable
         (rejected,) = guard.exchange.rejected
         assert rejected["node"] == FIRST and rejected["reason"] and "\n" not in rejected["reason"]
     else:
-        assert parsed is not None and not bad_update and guard.exchange.checked[FIRST] == parsed
+        assert parsed is not None and not bad_update and not unreadable and guard.exchange.checked[FIRST] == parsed
         assert 0 <= parsed.num_examples and all(0 <= a <= 1 for a in parsed.head_accuracy)
         assert parsed.loss is None or math.isfinite(parsed.loss)
     assert not replies[1].has_error()

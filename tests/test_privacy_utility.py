@@ -21,7 +21,13 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import RDPAccountant
 
-from client.client_app import fixedclipping_when_asked, secaggplus_when_needed, train_handler
+from client.client_app import (
+    fixedclipping_when_asked,
+    heads_decoded,
+    secaggplus_when_needed,
+    train_handler,
+    update_sent,
+)
 from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, STATE_DIR_KEY
 from client.training.dp import PrivacyState
 from client.training.local_round import train_round
@@ -211,11 +217,12 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
         "dp-level": "user",
         "update-max-norm": clip,
         "dp-target-epsilon": 8.0,
+        "heads-codec": "float32",  # the clients' starting heads are the server's exactly: the noise is all that differs
     }
     sent: dict = {}
     received: dict = {}
 
-    def recorder(msg, context, call_next):  # sits between SecAgg+ and the clipping mod: sees what gets masked
+    def recorder(msg, context, call_next):  # between the update's mod and the clipping mod: sees the clipped heads
         reply = call_next(msg, context)
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         received[context.node_id] = parameters_to_ndarrays(fitins.parameters)
@@ -225,7 +232,7 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
 
     app = ClientApp()
 
-    @app.train(mods=[secaggplus_when_needed, recorder, fixedclipping_when_asked])
+    @app.train(mods=[heads_decoded, secaggplus_when_needed, update_sent, recorder, fixedclipping_when_asked])
     def train(msg: Message, context: Context) -> Message:
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         fitres = train_handler(dict(fitins.config), parameters_to_ndarrays(fitins.parameters), context)

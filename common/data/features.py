@@ -96,9 +96,10 @@ _EXTRACTORS: dict[tuple[str, str, torch.dtype], BaseModel] = {}
 
 
 def extractor_for(base: BaseModel) -> BaseModel:
-    """The base itself, or (once per process) a copy of it in the faster feature dtype."""
+    """The base itself, or (once per process) a copy of it in the faster feature dtype, layers and all (a
+    base loaded without its layers gets its whole self here, on the first cache miss)."""
     dtype = fast_feature_dtype(base.device)
-    if dtype == base.dtype:
+    if dtype == base.dtype and base.body:
         return base
     key = (str(base.path), str(base.device), dtype)
     if key not in _EXTRACTORS:
@@ -109,12 +110,13 @@ def extractor_for(base: BaseModel) -> BaseModel:
 def base_features(
     base: BaseModel, chunks: torch.Tensor, cache_dir: Path | None = None, progress: bool = False
 ) -> Features:
-    """Features of `chunks` for training or evaluating heads on `base`: cached, fast dtype."""
-    return cached_features(extractor_for(base), chunks, cache_dir, progress=progress)
+    """Features of `chunks` for training or evaluating heads on `base`: cached, fast dtype. A cache hit
+    needs no decoder layer, so a client whose features are cached trains with `load_base(body=False)`."""
+    return features_of_sets(base, [chunks], cache_dir, progress=progress)[0]
 
 
-def feature_key(base: BaseModel, chunks: torch.Tensor) -> str:
-    digest = hashlib.sha256(f"{FEATURES_FORMAT}:{base.fingerprint}:{base.dtype}:{tuple(chunks.shape)}".encode())
+def feature_key(fingerprint: str, dtype: torch.dtype, chunks: torch.Tensor) -> str:
+    digest = hashlib.sha256(f"{FEATURES_FORMAT}:{fingerprint}:{dtype}:{tuple(chunks.shape)}".encode())
     digest.update(chunks.to(torch.int64).contiguous().numpy().tobytes())
     return digest.hexdigest()[:24]
 
@@ -125,29 +127,49 @@ def default_cache_dir() -> Path:
     return cache_root() / "features"
 
 
-def cached_features(
+def features_of_sets(
     base: BaseModel,
-    chunks: torch.Tensor,
+    chunk_sets: list[torch.Tensor],
     cache_dir: Path | None = None,
     max_bytes: int = DEFAULT_CACHE_BYTES,
     progress: bool = True,
-) -> Features:
-    """Features of `chunks`, from the cache when this base has seen these exact chunks before."""
+) -> list[Features]:
+    """Features of each set of chunks, each its own cache entry (keyed by the base's fingerprint, the feature
+    dtype and the chunks). The sets the cache lacks are computed together, in full batches (many small users
+    at once cost what their tokens cost), by the extractor, which is loaded only then."""
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = directory / f"{feature_key(base, chunks)}.pt"
-    if path.is_file():
-        try:
-            stored = torch.load(path, weights_only=True)
-            features = Features(stored["tokens"], stored["hidden"], stored["greedy"])
-            if torch.equal(features.tokens, chunks.cpu()):
-                os.utime(path)  # recently used: evicted last
-                return features
-        except (OSError, RuntimeError, KeyError, EOFError):
-            log.warning("ignoring a damaged feature cache file %s", path)
-    features = compute_features(base, chunks, progress=progress)
-    stored = {"tokens": features.tokens, "hidden": features.hidden, "greedy": features.greedy}
-    replace_file(path, lambda tmp: torch.save(stored, tmp))
-    evict(directory, max_bytes, keep=path)
+    dtype = fast_feature_dtype(base.device)
+    paths = [directory / f"{feature_key(base.fingerprint, dtype, chunks)}.pt" for chunks in chunk_sets]
+    found = [_cached(path, chunks) for path, chunks in zip(paths, chunk_sets)]
+    missing: dict[int, list[int]] = {}  # chunk length -> the sets of that length the cache lacks
+    for index, features in enumerate(found):
+        if features is None:
+            missing.setdefault(chunk_sets[index].shape[1], []).append(index)
+    for indices in missing.values():
+        computed = compute_features(extractor_for(base), torch.cat([chunk_sets[i] for i in indices]), progress=progress)
+        start = 0
+        for index in indices:
+            part = computed.subset(slice(start, start + len(chunk_sets[index])))
+            start += len(chunk_sets[index])
+            stored = {"tokens": part.tokens.clone(), "hidden": part.hidden.clone(), "greedy": part.greedy.clone()}
+            replace_file(paths[index], lambda tmp, stored=stored: torch.save(stored, tmp))
+            found[index] = Features(stored["tokens"], stored["hidden"], stored["greedy"])
+        evict(directory, max_bytes, keep=paths[indices[-1]])
+    return found  # type: ignore[return-value] - every entry is filled above
+
+
+def _cached(path: Path, chunks: torch.Tensor) -> Features | None:
+    if not path.is_file():
+        return None
+    try:
+        stored = torch.load(path, weights_only=True)
+        features = Features(stored["tokens"], stored["hidden"], stored["greedy"])
+    except (OSError, RuntimeError, KeyError, EOFError):
+        log.warning("ignoring a damaged feature cache file %s", path)
+        return None
+    if not torch.equal(features.tokens, chunks.cpu()):
+        return None
+    os.utime(path)  # recently used: evicted last
     return features
 
 

@@ -18,10 +18,11 @@ from common.errors import FedLookaheadError
 
 MIN_CHUNK_LEN = 8  # the shortest chunk (privacy unit) any run or device floor may use
 
-PARTITIONINGS = ("iid", "dirichlet", "package")
+PARTITIONINGS = ("iid", "dirichlet", "package", "user")
 DP_LEVELS = ("example", "user")
 DP_TRAINABLE = ("all", "fusion", "blocks", "lowrank")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
+HEADS_CODECS = ("float32", "float16", "int8")  # common/federation/wire.py
 
 
 def _knob(default: bool | int | float | str, help: str) -> Any:
@@ -79,10 +80,18 @@ class FedConfig:
 
     # secure aggregation (Flower SecAgg+)
     secagg: bool = _knob(True, "aggregate through Flower SecAgg+ (false: plain FedAvg)")
-    secagg_num_shares: int | float = _knob(1.0, "float: share of the sampled clients; int > 2: a count")
-    secagg_reconstruction_threshold: int | float = _knob(0.5, "float: share of num-shares; int: a count")
+    secagg_num_shares: int | float = _knob(
+        0,
+        "0: by rule from the cohort (common/federation/wire.py); float: share of the sampled clients; int > 2: a count",
+    )
+    secagg_reconstruction_threshold: int | float = _knob(
+        0, "0: by rule (the largest that survives secagg-max-dropout); float: share of num-shares; int: a count"
+    )
+    secagg_max_dropout: float = _knob(
+        0.3, "share of a round's clients SecAgg+'s threshold is sized to survive dropping"
+    )
     secagg_clipping_range: float = _knob(8.0, "head weights must stay within +-this (checked by clients and server)")
-    secagg_quantization_range: int = _knob(4194304, "SecAgg+ quantisation levels")
+    heads_codec: str = _knob("int8", "how the global heads travel to clients: float32 | float16 | int8 (per row)")
     secagg_max_weight: float = _knob(1000.0, "client weights (train chunks) are capped at this")
     update_max_norm: float = _knob(
         0.0,
@@ -91,9 +100,16 @@ class FedConfig:
     )
 
     # data
-    partitioning: str = _knob("iid", "iid | dirichlet | package (whole top-level packages per client)")
+    partitioning: str = _knob(
+        "iid",
+        "iid | dirichlet | package (whole top-level packages per client) | user (one user of user-chunks per client)",
+    )
     dirichlet_alpha: float = _knob(0.5, "concentration of the dirichlet partitioning")
-    data_source: str = _knob("stdlib", '"stdlib" (train split) or a folder of text files to partition')
+    user_chunks: int = _knob(4, "partitioning=user: consecutive chunks of one package that make one user")
+    data_source: str = _knob(
+        "stdlib",
+        '"stdlib" (train split), "private-packages" (the users\' installed packages) or a folder of text files',
+    )
 
     # models, outputs
     base_model_dir: str = _knob("", '"": the embedded default base (built on first use)')
@@ -189,6 +205,7 @@ class FedConfig:
             "secagg-max-weight": self.secagg_max_weight,
             "lr": self.lr,
             "dp-rank": self.dp_rank,
+            "user-chunks": self.user_chunks,
         }
         for key, value in positive.items():
             if not value > 0:
@@ -237,53 +254,34 @@ class FedConfig:
             shares, threshold = self.secagg_num_shares, self.secagg_reconstruction_threshold
             if isinstance(shares, float) and not 0 < shares <= 1:
                 raise FedLookaheadError(f"secagg-num-shares as a share must be in (0, 1], got {shares}")
-            if isinstance(shares, int) and shares <= 2:
-                raise FedLookaheadError(f"secagg-num-shares as a count must be > 2, got {shares}")
+            if isinstance(shares, int) and shares and shares <= 2:
+                raise FedLookaheadError(f"secagg-num-shares as a count must be > 2 (0: by rule), got {shares}")
             if isinstance(threshold, float) and not 0 < threshold <= 1:
                 raise FedLookaheadError(
                     f"secagg-reconstruction-threshold as a share must be in (0, 1], got {threshold}"
                 )
-            if isinstance(threshold, int) and isinstance(shares, int) and threshold >= shares:
+            if isinstance(threshold, int) and isinstance(shares, int) and shares and threshold >= shares:
                 raise FedLookaheadError(
                     f"secagg-reconstruction-threshold ({threshold}) must be below secagg-num-shares ({shares})"
                 )
-            if self.secagg_quantization_range <= 0 or 2**32 <= self.secagg_quantization_range:
-                raise FedLookaheadError("secagg-quantization-range must be in (0, 2**32)")
+            if threshold < 0 or (isinstance(threshold, int) and threshold == 1):
+                raise FedLookaheadError(
+                    f"secagg-reconstruction-threshold must be 0 (by rule) or at least 2, got {threshold}"
+                )
+            if not 0 <= self.secagg_max_dropout < 1:
+                raise FedLookaheadError(f"secagg-max-dropout must be in [0, 1), got {self.secagg_max_dropout}")
+        if self.heads_codec not in HEADS_CODECS:
+            raise FedLookaheadError(f"unknown heads-codec {self.heads_codec!r}: use one of {HEADS_CODECS}")
 
     def clients_this_round(self, available: int) -> int:
         """How many clients a round samples out of `available` (never fewer than min-train-clients)."""
         wanted = self.clients_per_round or int(available * self.fraction_train)
         return max(wanted, self.min_train_clients)
 
-    def secagg_tolerated_dropouts(self, sampled: int) -> int:
-        """Dropouts SecAgg+ survives in a round of `sampled` clients (Flower's own share arithmetic)."""
-        shares, threshold = secagg_shares_and_threshold(self, sampled)
-        return max(0, min(shares, sampled) - threshold)
-
 
 # Derived from FedConfig, keyed like the run config.
 DEFAULTS: dict[str, bool | int | float | str] = {f.name.replace("_", "-"): f.default for f in fields(FedConfig)}
 HELP: dict[str, str] = {f.name.replace("_", "-"): f.metadata["help"] for f in fields(FedConfig)}
-
-
-def secagg_shares_and_threshold(config: FedConfig, sampled: int) -> tuple[int, int]:
-    """The (num_shares, threshold) SecAggPlusWorkflow.setup_stage derives for `sampled` clients."""
-    shares_cfg, threshold_cfg = config.secagg_num_shares, config.secagg_reconstruction_threshold
-    if isinstance(shares_cfg, float):
-        shares = round(shares_cfg * sampled)
-        if shares < sampled and shares & 1 == 0:
-            shares += 1
-        if shares <= 2:
-            shares = sampled
-    else:
-        shares = shares_cfg
-    if sampled != shares and shares & 1 == 0:
-        shares += 1
-    if isinstance(threshold_cfg, float):
-        threshold = max(round(threshold_cfg * shares), 2)
-    else:
-        threshold = threshold_cfg
-    return shares, threshold
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

@@ -23,8 +23,9 @@ from typing import Any, Mapping, NoReturn
 
 ROUND_KEY = "server-round"  # train/evaluate config: the server round
 RUN_KEY = "fedla-run-id"  # train config: the run id (keys the client's privacy accountant)
+HEADS_CODEC = "heads-codec"  # train config: how fitins.parameters are encoded (common/federation/wire.py)
 BAD_SHARE_SOURCES = "fedla-bad-share-sources"  # SecAgg+ collect reply: peers whose key shares did not decrypt
-MEASURE_TAU = "measure-tau"  # evaluate config: also decode prompts for tau
+EVALUATE = "evaluate"  # evaluate config: measure the heads on held-out chunks (false: a push, only keep them)
 HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages
 HEADS_CONFIG_RECORD = "heads-config"  # ConfigRecord name in native (evaluate) messages
 EVAL_METRICS_RECORD = "metrics"  # MetricRecord name of an evaluate reply
@@ -40,7 +41,8 @@ ARCH = "heads-arch"
 DRAFT_VOCAB = "draft-vocab"  # the heads' draft vocabulary (token ids, from public data); [] = whole vocabulary
 LAYER = "heads-layer"  # eagle heads: the decoder layer's geometry as a JSON object ("" for other architectures)
 
-# Flower's legacy FitRes layout (flwr.compat.common.recorddict_compat.fitres_to_recorddict)
+# Flower's legacy FitIns/FitRes layout (flwr.compat.common.recorddict_compat)
+FITINS_PARAMETERS = "fitins.parameters"
 FITRES_PARAMETERS = "fitres.parameters"
 FITRES_METRICS = "fitres.metrics"
 FITRES_NUM_EXAMPLES = "fitres.num_examples"

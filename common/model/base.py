@@ -35,6 +35,7 @@ class BaseModel:
     int8_kernel: KernelReport | None = (
         None  # int8 linear layers (common.model.quant): the kernel in use, as measured here
     )
+    body: bool = True  # False: embeddings, final norm and LM head only (load_base(body=False))
 
     @property
     def int8(self) -> bool:
@@ -69,6 +70,8 @@ class BaseModel:
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states (after the final norm, as the LM head sees them), without gradients."""
+        if not self.body:
+            raise FedLookaheadError(f"the base in {self.path} was loaded without its layers: it cannot run")
         with torch.no_grad():
             return self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
@@ -146,12 +149,14 @@ class Loading:
 
 
 def load_base(
-    path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, int8: bool = False
+    path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, int8: bool = False, body: bool = True
 ) -> BaseModel:
     """Load a local causal LM directory with its tokenizer, frozen and in eval mode.
 
     `int8` quantizes its linear layers for a CPU device (see common.model.quant), with the integer product measured
-    fastest among the exact ones here (common.model.int8_kernels); the rest stays in fp32.
+    fastest among the exact ones here (common.model.int8_kernels); the rest stays in fp32. `body=False` loads
+    no decoder layer: what training heads on cached features needs (the embeddings and the LM head, a fifth
+    of SmolLM2-135M), with the same fingerprint; such a base refuses to run (`features`).
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -181,7 +186,14 @@ def load_base(
     if int8 and (torch_device.type != "cpu" or dtype not in (None, torch.float32)):
         raise FedLookaheadError("int8 weights are a CPU option: use --device cpu (on CUDA use bf16 or fp16)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device))
+        layers = {} if body else {"num_hidden_layers": 0}
+        verbosity = hf_logging.get_verbosity()
+        if not body:  # its load report would list every layer's weights as unexpected
+            hf_logging.set_verbosity_error()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(torch_device), **layers)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     except OSError as exc:
         raise FedLookaheadError(f"cannot load model weights from {path}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval().requires_grad_(False)
@@ -191,7 +203,9 @@ def load_base(
         )  # trees verify without copying keys per head (common.model.attention)
     fingerprint = fingerprint_dir(path)
     int8_kernel = quantize_base_int8(model, tokenizer, fingerprint) if int8 else None
-    return BaseModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8_kernel=int8_kernel)
+    return BaseModel(
+        model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, int8_kernel=int8_kernel, body=body
+    )
 
 
 def check_text(text: str, what: str) -> str:

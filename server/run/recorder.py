@@ -67,10 +67,10 @@ class Recorder:
         """The run's row in the store (a resumed run is set back to running, its rounds kept)."""
         secagg = {
             "enabled": config.secagg,
-            "num_shares": config.secagg_num_shares,
-            "reconstruction_threshold": config.secagg_reconstruction_threshold,
-            "clipping_range": config.secagg_clipping_range,
-            "quantization_range": config.secagg_quantization_range,
+            "num_shares": config.secagg_num_shares or "by rule",
+            "reconstruction_threshold": config.secagg_reconstruction_threshold or "by rule",
+            "max_dropout": config.secagg_max_dropout,
+            "weight_range": config.secagg_clipping_range,
             "max_weight": config.weight_cap,
         }
         self.store.start_run(self.run_id, finite_or_none(config.to_dict()), secagg)
