@@ -7,9 +7,9 @@
    the in-process grid (clients run one after another in this process, so the numbers are the
    sum of client work plus protocol cost, without simulation-runtime noise), for the scenario's
    workload and for a near-empty local workload that exposes the protocol overhead alone.
-3. Bytes per client per round for the heads (measured on the wire: float32 heads down, SecAgg+
-   masked int64 vector up) versus the full base model (computed from its parameter count with the
-   same encodings).
+3. Bytes per client per round for the heads (measured on the wire: heads-codec down, the SecAgg+
+   masked update up) versus the full base model (computed from its parameter count at the bytes per
+   weight the heads took each way).
 
 Prints JSON and a table; writes runs/bench-federated.json. Options: --clients, --reps, --scenario.
 """
@@ -208,22 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base(base_dir(FedConfig.from_mapping(workload)), device="cpu")
     base_params = sum(p.numel() for p in base.model.parameters())
     secure_bytes = rounds["workload"]["secagg"]["bytes"]  # measured by the guarded grid
+    head_params = rounds["workload"]["secagg"]["head_parameters"]
+    # the full base in the same encodings: the bytes a head weight costs each way, per base weight
+    down = round(base_params * secure_bytes["down_per_client"] / head_params)
+    up = round(base_params * secure_bytes["up_per_client"] / head_params)
     report["bytes_per_client_per_round"] = {
         "heads_measured": {
             "down": secure_bytes["down_per_client"],
             "up_secagg": secure_bytes["up_per_client"],
             "total": secure_bytes["down_per_client"] + secure_bytes["up_per_client"],
         },
-        "full_base_computed": {
-            "parameters": base_params,
-            "down_float32": base_params * 4,
-            "up_secagg_int64": base_params * 8 + 8,
-            "total": base_params * 12 + 8,
-        },
-        "head_parameters": rounds["workload"]["secagg"]["head_parameters"],
+        "full_base_computed": {"parameters": base_params, "down": down, "up_secagg": up, "total": down + up},
+        "head_parameters": head_params,
     }
     heads_total = report["bytes_per_client_per_round"]["heads_measured"]["total"]
-    report["bytes_per_client_per_round"]["ratio_full_over_heads"] = (base_params * 12 + 8) / heads_total
+    report["bytes_per_client_per_round"]["ratio_full_over_heads"] = (down + up) / heads_total
     report["seconds"] = time.perf_counter() - started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

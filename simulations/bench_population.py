@@ -240,11 +240,10 @@ def print_table(result: dict) -> None:
     for row in result["rounds"]:
         print_row(row)
     cost = result["codec_cost"]
-    for name in ("full_precision", "cut"):
+    for name in ("starting_heads", "full_precision", "cut"):
         c = cost[name]
-        print(
-            f"heads {c['codec']:>8}: head-1..K {' '.join(f'{a:.3f}' for a in c['head_accuracy'])}, tau {c['tau']:.3f}"
-        )
+        accuracy = " ".join(f"{a:.3f}" for a in c["head_accuracy"])
+        print(f"{name:>14} ({c['codec']}): head-1..K {accuracy}, heads-only tau {c['tau']:.3f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ starts a private local SuperLink (its own ports and FLWR_HOME, see server/superl
 `flwr run . local --run-config ... --federation-config ... --stream` (with faults: `flwr run` of a
 copy of the app whose ClientApp carries them), waits for the run to end and stops every process it started.
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
-flwr.log and prints the per-round table.
+flwr.log and prints the per-round table. A population scenario (partitioning = "user") has its users'
+features cached first (simulations/population.py), so its clients train without the base's layers.
 
 Options: --set k=v (more run-config overrides, TOML values), --rounds N, --clients N (simulated clients;
 the run waits for all of them), --run-id ID, --inprocess (no SuperLink/Ray: the same ServerApp loop and ClientApp over simulations.inprocess.InProcessGrid,
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    if run_config.get("partitioning") == "user":  # a population: every user's features once, before round 1
+        from simulations.population import prepare_population
+
+        prepared = prepare_population(run_config, num_nodes)
+        print(f"population: {prepared.users} users' features ready in {prepared.seconds:.0f}s", flush=True)
     if args.inprocess:
         code = _run_inprocess(run_config, num_nodes, run_dir, faults)
     else:
