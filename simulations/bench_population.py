@@ -74,7 +74,9 @@ def run_setting(population: int, clients: int, secagg: bool, dropout: float, rou
     class TimedGrid(InProcessGrid):
         """The in-process grid, adding up the ClientApps' time per message group (a round's train exchange)."""
 
-        app_seconds: dict[str, float] = {}
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.app_seconds: dict[str, float] = {}
 
         def send_and_receive(self, messages, *, timeout=None):
             messages = list(messages)

@@ -91,7 +91,9 @@ class FedConfig:
         0.3, "share of a round's clients SecAgg+'s threshold is sized to survive dropping"
     )
     secagg_clipping_range: float = _knob(8.0, "head weights must stay within +-this (checked by clients and server)")
-    heads_codec: str = _knob("int8", "how the global heads travel to clients: float32 | float16 | int8 (per row)")
+    heads_codec: str = _knob(
+        "int8", "how the global heads travel to clients: float32 | float16 | int8 (a scale per 32 weights)"
+    )
     secagg_max_weight: float = _knob(1000.0, "client weights (train chunks) are capped at this")
     update_max_norm: float = _knob(
         0.0,

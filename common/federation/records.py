@@ -2,8 +2,9 @@
 
 Both sides use this module, so the wire format has one definition:
 
-* the head weights (fusion + lookahead blocks; never the base) as float32 arrays in `state_dict`
-  order, in a Flower ArrayRecord;
+* the head weights (fusion + lookahead blocks; never the base) in `state_dict` order, in a Flower
+  ArrayRecord (float32 in evaluate messages; how train messages encode heads and updates is
+  common/federation/wire.py);
 * a ConfigRecord naming the base model fingerprint, the head version and the head geometry, so a
   client whose base differs refuses with a clear error instead of training nonsense;
 * `validate_update` / `validate_masked`: the checks the server applies to every update before it

@@ -22,8 +22,9 @@ holds 256 masked vectors at once).
                 probability at most ABORT_PROBABILITY when `secagg-max-dropout` of the cohort drops, at
                 least 2. A server colluding with t of a node's neighbours could unmask it: t is the privacy.
   clipping c    the largest move of one coordinate an honest client makes in a round: AdamW's per-step
-                bound times its steps (FedConfig.update_bound), and at most COORDINATE_SPREAD times the
-                L2 bound's per-coordinate share (a clipped update is spread over every coordinate).
+                bound times its steps (FedConfig.update_bound); under an update-max-norm clip,
+                COORDINATE_SPREAD times the clip's per-coordinate share (a clipped update is spread over
+                every coordinate).
   levels q      as many as the modulus holds for n clients: floor((modulus - 1) / n), the modulus 2**16
                 when that leaves at least MIN_LEVELS levels, else 2**32 (capped at Flower's default 2**22).
 """
@@ -146,10 +147,11 @@ class SecAggPlan:
 
 
 def coordinate_bound(config: FedConfig, num_parameters: int) -> float:
-    """The largest move of one head coordinate an honest client makes in a round (SecAgg+'s clipping range)."""
-    adamw = config.update_bound(1) if config.update_max_norm <= 0 else math.inf
-    spread = COORDINATE_SPREAD * config.update_bound(num_parameters) / math.sqrt(max(1, num_parameters))
-    return min(adamw, spread)
+    """The largest move of one head coordinate an honest client makes in a round (SecAgg+'s clipping range):
+    AdamW's bound on one weight, or, under an update-max-norm clip, COORDINATE_SPREAD times its share."""
+    if config.update_max_norm <= 0:
+        return config.update_bound(1)
+    return COORDINATE_SPREAD * config.update_max_norm / math.sqrt(max(1, num_parameters))
 
 
 def abort_probability(cohort: int, shares: int, threshold: int, dropout: float) -> float:
@@ -196,7 +198,7 @@ def secagg_plan(config: FedConfig, cohort: int, num_parameters: int) -> SecAggPl
         clipping_range=coordinate_bound(config, num_parameters),
         quantization_range=levels,
         modulus_range=modulus,
-        bytes_per_value=2 if modulus <= SMALL_MODULUS else 4,
+        bytes_per_value=masked_dtype(modulus).itemsize,
     )
 
 
