@@ -37,6 +37,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
 from client import device_hooks, secagg
+from client.noise_share import noise_share_added, set_share
 from client.state import state_dir_of
 from common.federation import protocol as P
 from common.federation.protocol import (
@@ -52,6 +53,7 @@ from common.federation.protocol import (
 # SuperNode starts one ClientApp process per message, and the SecAgg+ key-exchange and unmasking
 # stages (handled by the mod alone) would otherwise pay ~7 s of imports each on a small CPU.
 if TYPE_CHECKING:
+    from client.training.floor import UserNoise
     from common.federation.config import FedConfig
 
 
@@ -190,11 +192,13 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     run_key = str(fit_config.get(RUN_KEY, context.run_id))
     features = client_features(config, base, data.train, dict(context.node_config))
     floor = DeviceFloor.from_node_config(context.node_config)
-    user_level = floor is None and config.dp and config.dp_level == "user"  # a device keeps its own DP-SGD
-    if user_level:  # issue 12: no noise here; fixedclipping_mod clips the update, the server noises the mean
+    # a device takes user-level DP only as its own noise share at its floor's terms, else keeps DP-SGD
+    device_user = floor.user_level(config, fit_config) if floor is not None else None
+    user_level = config.dp and config.dp_level == "user" and (floor is None or device_user is not None)
+    if user_level and floor is None:  # no per-chunk noise: fixedclipping_mod clips the whole update
         config = replace(config, dp=False)
     if floor is not None:  # a device: its own ledger and lifetime budget
-        result = device_round(heads, features, config, floor, run_key)
+        result = device_round(heads, features, config, floor, run_key, device_user)
     else:  # a simulated client: the run config governs
         path = state_file(config, context.node_config, run_key) if config.dp else None
         if config.dp and config.resume_from and path is None:  # a resumed run is a new Flower run: empty context
@@ -206,6 +210,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         result = train_round(heads, features, config, state)
         if state is not None and not result.skipped:
             save_state(context, path, state)
+    set_share(context, 0.0 if result.skipped or not user_level else share_std_of(config, fit_config, device_user))
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
     bound = config.secagg_clipping_range if config.secagg else None
     reason = validate_update(sent, wire_shapes(heads), bound)
@@ -213,7 +218,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         raise FedLookaheadError(f"refusing to send a malformed update: {reason}")
     # capped as the server caps it (under SecAgg+: weight / max_weight <= 1, and a larger claim is refused)
     weight = 0 if result.skipped else min(len(data.train), config.weight_cap)
-    if user_level:  # every client weighs the same: one client moves the mean by at most clip / n
+    if user_level and not result.skipped:  # every client weighs the same: one moves the sum by at most the clip
         weight = config.weight_cap
     summary = result.metrics.summary() if result.metrics is not None else None
     metrics = TrainReply(
@@ -236,6 +241,30 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if floor is not None:
         metrics = {key: metrics[key] for key in DEVICE_TRAIN_METRICS}
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
+
+
+def share_std_of(config: FedConfig, fit_config: dict, device_user: UserNoise | None) -> float:
+    """This round's noise share (client/noise_share.py): none when the server adds the noise; a device's from
+    its floor's terms; a simulated client's from the run's noise multiplier and cohort."""
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    from common.errors import FedLookaheadError
+    from common.federation.user_dp import share_std
+
+    if config.user_dp_noise != "device":
+        return 0.0
+    try:
+        clip = float(fit_config[KEY_CLIPPING_NORM])
+        z, shares = (
+            (device_user.noise_multiplier, device_user.shares)
+            if device_user is not None
+            else (float(fit_config[P.USER_DP_NOISE_MULTIPLIER]), int(fit_config[P.USER_DP_NOISE_COHORT]))
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FedLookaheadError(f"user-dp-noise=device but the train config lacks the noise settings ({exc})") from exc
+    if not (z > 0 and shares >= 1 and clip > 0):
+        raise FedLookaheadError(f"user-dp-noise=device with noise multiplier {z}, {shares} shares and clip {clip}")
+    return share_std(z, clip, shares)
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -285,8 +314,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({P.EVAL_METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)
 
 
-# outermost first: decode the heads, hide a device's weight, mask (SecAgg+), send the update, clip it
-TRAIN_MODS = (heads_decoded, device_weight_hidden, secaggplus_when_needed, update_sent, fixedclipping_when_asked)
+# outermost first: decode the heads, hide a device's weight, mask (SecAgg+), send the update, noise it, clip it
+TRAIN_MODS = (
+    heads_decoded,
+    device_weight_hidden,
+    secaggplus_when_needed,
+    update_sent,
+    noise_share_added,
+    fixedclipping_when_asked,
+)
 
 
 def client_app(mods: Sequence[Mod] = ()) -> ClientApp:

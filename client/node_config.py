@@ -38,6 +38,12 @@ class NodeConfig:
     max_dp_grad_norm: float = _key(1.0, "the largest per-chunk clipping norm it accepts")
     min_dp_noise_multiplier: float = _key(0.5, "the smallest sigma it trains with")
     min_chunk_len: int = _key(32, "the fewest tokens one privacy unit (a chunk) holds: epsilon protects a chunk")
+    min_noise_cohort: int = _key(
+        64, "user-level DP: the fewest noise shares a run may size its sum for (fewer: this device keeps DP-SGD)"
+    )
+    min_user_sample_rate: float = _key(
+        1.0, "user-level DP: the smallest sampling rate its ledger is charged at (1: trusts no claimed population)"
+    )
     # Flower's own, in simulations
     partition_id: int = _key(0, "this simulated node's partition of the corpus")
     num_partitions: int = _key(1, "how many partitions the corpus is cut into")
@@ -68,6 +74,8 @@ MAX_DELTA_KEY = key_of("max_dp_delta")
 MAX_GRAD_NORM_KEY = key_of("max_dp_grad_norm")
 MIN_NOISE_KEY = key_of("min_dp_noise_multiplier")
 MIN_CHUNK_LEN_KEY = key_of("min_chunk_len")
+MIN_NOISE_COHORT_KEY = key_of("min_noise_cohort")
+MIN_USER_SAMPLE_RATE_KEY = key_of("min_user_sample_rate")
 PARTITION_ID_KEY = key_of("partition_id")
 NUM_PARTITIONS_KEY = key_of("num_partitions")
 

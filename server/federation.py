@@ -52,14 +52,17 @@ FRESH_DP_VERDICT = (
 NO_DP_VERDICT = "No DP: the clients' updates carry no privacy guarantee"
 
 
-def privacy_plan(config: FedConfig, start_round: int) -> dict[str, Any]:
+def privacy_plan(config: FedConfig, start_round: int, user_dp: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the run may spend and whether DP is expected to learn, known before round 1 (run.json's plan,
-    the dashboard's privacy card). A verdict of None: no forecast for this setting."""
+    the dashboard's privacy card); `user_dp`: server.user_dp's plan, whose forecast is the verdict. A verdict
+    of None: no forecast for this setting."""
     verdict = None
     if not config.dp:
         verdict = NO_DP_VERDICT
     elif config.init_heads == "fresh" and start_round == 1:
         verdict = FRESH_DP_VERDICT
+    elif user_dp is not None:
+        verdict = user_dp["verdict"]
     return {
         "dp": config.dp,
         "level": config.dp_level if config.dp else None,
@@ -98,10 +101,14 @@ def check_federation(config: FedConfig, num_nodes: int, num_parameters: int = 0)
         raise FedLookaheadError(f"clients-per-round ({config.clients_per_round}) exceeds the {num_nodes} node(s)")
     sampled = min(config.clients_this_round(num_nodes), num_nodes)
     info: dict[str, Any] = {"nodes": num_nodes, "clients_per_round": sampled}
+    if config.dp and config.dp_level == "user":  # common/federation/user_dp.py
+        from server.user_dp import plan_user_dp
+
+        info["user_dp"] = plan_user_dp(config, sampled, num_nodes, num_parameters)
     if config.secagg:
         if sampled < 2:
             raise FedLookaheadError("SecAgg+ needs at least 2 clients per round (Flower aborts with fewer)")
-        secagg = secagg_plan(config, sampled, num_parameters)
+        secagg = secagg_plan(config, sampled, num_parameters, info.get("user_dp", {}).get("masked_range"))
         neighbours = min(secagg.num_shares, sampled)
         if secagg.threshold > neighbours:
             raise FedLookaheadError(
@@ -182,13 +189,9 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             recorder.reconcile(start_round - 1)
         nodes = wait_for_nodes(grid, config)
         plan = check_federation(config, len(nodes), sum(a.size for a in heads_to_ndarrays(heads)))
-        plan["privacy"] = privacy_plan(config, start_round)
-        if plan["privacy"]["verdict"] == FRESH_DP_VERDICT:  # the plan says so before a run
-            log.warning(FRESH_DP_VERDICT)
-        if config.dp and config.dp_level == "user":  # issue 12: fl-dp-sa user-level DP (server/user_dp.py)
-            from server.user_dp import plan_user_dp
-
-            plan["user_dp"] = plan_user_dp(config, plan["clients_per_round"], len(nodes))
+        plan["privacy"] = privacy_plan(config, start_round, plan.get("user_dp"))
+        if plan["privacy"]["verdict"] not in (None, NO_DP_VERDICT):  # the plan says so before a run
+            log.warning("privacy plan: %s", plan["privacy"]["verdict"])
         log.info(
             "run %s: %d nodes, plan %s, %d head parameters, base %s",
             run_id,

@@ -124,14 +124,13 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     config = ctx.config
     exchange = guarded.exchange
     current = heads_to_ndarrays(heads)
-    strategy: Strategy = HeadsStrategy(
-        config,
-        exchange,
-        guarded.shapes,
-        {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec},
-        current,
-    )
-    if ctx.user_dp is not None:  # issue 12: Flower's DifferentialPrivacyClientSideFixedClipping around it
+    fit_config = {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec}
+    if ctx.user_dp is not None and config.user_dp_noise == "device":  # each device adds its share
+        from server.user_dp import device_noise_config
+
+        fit_config.update(device_noise_config(ctx.user_dp))
+    strategy: Strategy = HeadsStrategy(config, exchange, guarded.shapes, fit_config, current)
+    if ctx.user_dp is not None and config.user_dp_noise == "server":  # Flower's fl-dp-sa wrapper noises the sum
         from server.user_dp import wrap_strategy
 
         strategy = wrap_strategy(strategy, ctx.user_dp)

@@ -35,10 +35,10 @@ from common.data.chunks import stdlib_dir
 from common.data.features import base_features
 from common.federation.config import FedConfig
 from common.federation.records import heads_config_dict, heads_to_ndarrays
+from common.federation.user_dp import epsilon_after, noise_multiplier
 from common.heads.lookahead import DraftHeads
 from server.federation import run_federation
 from server.server_optimizer import ServerOptimizer
-from server.user_dp import user_epsilon, user_noise_multiplier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # simulations/ is a folder of scripts
 from simulations.inprocess import InProcessGrid  # noqa: E402
@@ -180,11 +180,11 @@ def test_user_level_noise_calibration_against_opacus():
     config = FedConfig.from_mapping(
         {"dp-level": "user", "update-max-norm": 0.1, "dp-target-epsilon": 4.0, "num-server-rounds": 5}
     )
-    sigma = user_noise_multiplier(config, sampled=4, nodes=8)
+    sigma = noise_multiplier(config.dp_target_epsilon, config.dp_delta, 4 / 8, config.num_server_rounds)
     accountant = RDPAccountant()
     accountant.history = [(sigma, 0.5, 5)]
     assert accountant.get_epsilon(1e-5) <= 4.0 + 1e-3
-    assert user_epsilon(sigma, 4, 8, 5, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5))
+    assert epsilon_after(sigma, 4 / 8, 5, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5))
     accountant.history = [(sigma * 0.9, 0.5, 5)]  # the calibrated sigma is the smallest that fits
     assert accountant.get_epsilon(1e-5) > 4.0
 
@@ -215,6 +215,7 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
         "run-dir": str(tmp_path / "runs"),
         "init-heads": "fresh",
         "dp-level": "user",
+        "user-dp-noise": "server",
         "update-max-norm": clip,
         "dp-target-epsilon": 8.0,
         "heads-codec": "float32",  # the clients' starting heads are the server's exactly: the noise is all that differs

@@ -37,6 +37,9 @@ class PrivacyState:
     run_key: str
     noise_multiplier: float = 0.0  # 0: not chosen yet
     history: History = field(default_factory=list)
+    # the guarantee charged: "example" (DP-SGD, one chunk the unit) or "user" (noise shares, the whole user;
+    # it bounds every chunk too, so both compose into one lifetime epsilon)
+    level: str = "example"
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -46,19 +49,23 @@ class PrivacyState:
                 "sigmas": [float(s) for s, _, _ in self.history],
                 "rates": [float(q) for _, q, _ in self.history],
                 "steps": [int(n) for _, _, n in self.history],
+                "level": self.level,
             }
         )
 
     @classmethod
     def from_record(cls, record: ConfigRecord) -> PrivacyState:
         history = list(zip(map(float, record["sigmas"]), map(float, record["rates"]), map(int, record["steps"])))
-        return cls(str(record["run-key"]), float(record["noise-multiplier"]), history)
+        return cls(
+            str(record["run-key"]), float(record["noise-multiplier"]), history, str(record.get("level", "example"))
+        )
 
     def to_json(self) -> dict:
         return {
             "run_key": self.run_key,
             "noise_multiplier": self.noise_multiplier,
             "history": [list(h) for h in self.history],
+            "level": self.level,
         }
 
     @classmethod
@@ -67,6 +74,7 @@ class PrivacyState:
             data["run_key"],
             float(data["noise_multiplier"]),
             [(float(s), float(q), int(n)) for s, q, n in data["history"]],
+            str(data.get("level", "example")),
         )
 
 

@@ -15,7 +15,9 @@ from client.node_config import (
     MAX_DELTA_KEY,
     MAX_GRAD_NORM_KEY,
     MIN_CHUNK_LEN_KEY,
+    MIN_NOISE_COHORT_KEY,
     MIN_NOISE_KEY,
+    MIN_USER_SAMPLE_RATE_KEY,
     STATE_DIR_KEY,
     NodeConfig,
 )
@@ -34,6 +36,8 @@ class DeviceFloor:
     max_grad_norm: float = NodeConfig.max_dp_grad_norm  # the largest per-chunk clipping norm it accepts
     min_noise_multiplier: float = NodeConfig.min_dp_noise_multiplier  # the smallest sigma it trains with
     min_chunk_len: int = NodeConfig.min_chunk_len  # the fewest tokens one privacy unit (a chunk) holds
+    min_noise_cohort: int = NodeConfig.min_noise_cohort  # user-level DP: the fewest noise shares it accepts
+    min_user_sample_rate: float = NodeConfig.min_user_sample_rate  # user-level DP: the rate its ledger is charged at
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> DeviceFloor | None:
@@ -49,6 +53,8 @@ class DeviceFloor:
             (MAX_GRAD_NORM_KEY, "max_grad_norm"),
             (MIN_NOISE_KEY, "min_noise_multiplier"),
             (MIN_CHUNK_LEN_KEY, "min_chunk_len"),
+            (MIN_NOISE_COHORT_KEY, "min_noise_cohort"),
+            (MIN_USER_SAMPLE_RATE_KEY, "min_user_sample_rate"),
         ):
             value = node_config.get(key, getattr(defaults, name))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -70,7 +76,36 @@ class DeviceFloor:
                 f"node config {MIN_CHUNK_LEN_KEY} must be a whole number of at least {MIN_CHUNK_LEN} tokens, "
                 f"got {floor.min_chunk_len:g}"
             )
-        return replace(floor, min_chunk_len=int(floor.min_chunk_len))
+        if floor.min_noise_cohort != int(floor.min_noise_cohort) or floor.min_noise_cohort < 2:
+            raise FedLookaheadError(
+                f"node config {MIN_NOISE_COHORT_KEY} must be a whole number of at least 2, got {floor.min_noise_cohort:g}"
+            )
+        if not 0 < floor.min_user_sample_rate <= 1:
+            raise FedLookaheadError(
+                f"node config {MIN_USER_SAMPLE_RATE_KEY} must be in (0, 1], got {floor.min_user_sample_rate:g}"
+            )
+        return replace(floor, min_chunk_len=int(floor.min_chunk_len), min_noise_cohort=int(floor.min_noise_cohort))
+
+    def user_level(self, config: FedConfig, fit_config: Mapping[str, Any]) -> UserNoise | None:
+        """The noise this device adds in a user-level round, or None: it trains with its example-level DP-SGD.
+
+        It takes user-level DP only as a noise share of its own, before SecAgg+ masks it, in a sum sized for
+        at least `min_noise_cohort` shares; its noise multiplier is at least its floor's and its ledger is
+        charged at no less than `min_user_sample_rate`, whatever the server claims.
+        """
+        from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
+
+        if not (config.dp_level == "user" and config.user_dp_noise == "device" and config.secagg):
+            return None
+        try:
+            z = float(fit_config[USER_DP_NOISE_MULTIPLIER])
+            shares = int(fit_config[USER_DP_NOISE_COHORT])
+            rate = float(fit_config[USER_DP_SAMPLE_RATE])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (math.isfinite(z) and z > 0 and shares >= self.min_noise_cohort and 0 < rate <= 1):
+            return None
+        return UserNoise(max(z, self.min_noise_multiplier), shares, max(rate, self.min_user_sample_rate))
 
     def apply(self, config: FedConfig) -> FedConfig:
         """The run config, made no weaker than this floor (sigma's minimum is applied in train_round)."""
@@ -86,3 +121,13 @@ class DeviceFloor:
             # a run asking for 2-token chunks would report the same epsilon for protecting almost nothing
             chunk_len=max(config.chunk_len, self.min_chunk_len),
         )
+
+
+@dataclass(frozen=True)
+class UserNoise:
+    """A user-level round's mechanism: noise multiplier z on the sum, the fewest shares the sum is sized for,
+    and the sampling rate the accountant is charged at."""
+
+    noise_multiplier: float
+    shares: int
+    sample_rate: float

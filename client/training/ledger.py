@@ -133,8 +133,8 @@ def save_ledger(ledger: Ledger) -> None:
         {
             "format": LEDGER_FORMAT,
             "runs": {
-                key: {"noise_multiplier": s.noise_multiplier, "history": [list(h) for h in s.history]}
-                for key, s in ledger.runs.items()
+                key: {name: value for name, value in state.to_json().items() if name != "run_key"}
+                for key, state in ledger.runs.items()
             },
             "resets": ledger.resets,
             "updated": now,

@@ -20,7 +20,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 from client.state import StateDir, StateLocked, state_lock
 from client.training.dp import EPSILON_SLACK, History, PrivacyState, choose_noise_multiplier, epsilon_of, plan
-from client.training.floor import DeviceFloor
+from client.training.floor import DeviceFloor, UserNoise
 from client.training.ledger import LEDGER_WAIT_SECONDS, LedgerError, load_ledger, remove_stale_temporaries, save_ledger
 from common.data.features import Features
 from common.federation.config import FedConfig
@@ -51,6 +51,17 @@ def trained_parameters(heads: DraftHeads, config: FedConfig) -> Iterator[list[to
         yield parameters
 
 
+def train_plainly(heads: DraftHeads, features: Features, config: FedConfig) -> HeadMetrics:
+    """Local epochs of AdamW on the heads, in place, without per-chunk noise."""
+    metrics = HeadMetrics(heads.num_heads)
+    with trained_parameters(heads, config) as trainable:
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr)
+        for epoch in range(config.local_epochs):
+            loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
+            metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
+    return metrics
+
+
 @dataclass
 class RoundResult:
     metrics: HeadMetrics | None
@@ -70,8 +81,10 @@ def train_round(
     state: PrivacyState | None,
     floor: DeviceFloor | None = None,
     earlier: History | None = None,
+    user: UserNoise | None = None,
 ) -> RoundResult:
-    """One round of local training, in place on `heads`: DP-SGD (Opacus) or plain, per config.dp.
+    """One round of local training, in place on `heads`: DP-SGD (Opacus) or plain, per config.dp; `user`
+    given (a device's user-level round): trained plainly, one round of that mechanism charged.
 
     Reads the chunks' cached base features (one row per chunk: the privacy unit). With DP, `state`
     is updated (history appended, sigma fixed on first use) only when training ran. On a device
@@ -82,19 +95,18 @@ def train_round(
     started = time.perf_counter()
     q, steps = plan(config, len(features))
     if not config.dp:
-        metrics = HeadMetrics(heads.num_heads)
-        with trained_parameters(heads, config) as trainable:
-            optimizer = torch.optim.AdamW(trainable, lr=config.lr)
-            for epoch in range(config.local_epochs):
-                loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
-                metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
+        metrics = train_plainly(heads, features, config)
         return RoundResult(metrics, math.inf, q, steps, 0.0, seconds=time.perf_counter() - started)
 
     assert state is not None
-    sigma = state.noise_multiplier or choose_noise_multiplier(config, q, steps)
-    if floor is not None:
-        sigma = max(sigma, floor.min_noise_multiplier)
-    this_round = [(sigma, q, steps)]
+    if user is not None:  # one sampled Gaussian round on the whole user's update (its share: client/noise_share.py)
+        sigma, q = user.noise_multiplier, user.sample_rate
+        this_round = [(sigma, q, 1)]
+    else:
+        sigma = state.noise_multiplier or choose_noise_multiplier(config, q, steps)
+        if floor is not None:
+            sigma = max(sigma, floor.min_noise_multiplier)
+        this_round = [(sigma, q, steps)]
     prior = list(earlier or [])
 
     def spent(history: History) -> tuple[float, float]:
@@ -108,7 +120,7 @@ def train_round(
     def declined(reason: str) -> RoundResult:
         return RoundResult(None, now, q, 0, sigma, delta, skipped=f"privacy budget: this round would bring {reason}")
 
-    if config.dp_target_epsilon > 0:
+    if config.dp_target_epsilon > 0 and user is None:  # a user-level run's own accounting is the server's
         after = epsilon_of(state.history + this_round, config.dp_delta)
         if after > config.dp_target_epsilon + EPSILON_SLACK:
             return declined(
@@ -122,6 +134,14 @@ def train_round(
                 f"the device's lifetime epsilon from {now:.3f} to {after:.3f}, "
                 f"above its budget {floor.budget_epsilon:g} (delta {floor.delta:g})"
             )
+
+    if user is not None:
+        metrics = train_plainly(heads, features, config)
+        state.level = "user" if state.level == "user" or not state.history else "mixed"
+        state.noise_multiplier = sigma
+        state.history = state.history + this_round
+        epsilon, delta = spent(state.history)
+        return RoundResult(metrics, epsilon, q, steps, sigma, delta, seconds=time.perf_counter() - started)
 
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = list(state.history)  # continue the run's accountant, not a fresh one
@@ -152,7 +172,12 @@ def train_round(
 
 
 def device_round(
-    heads: DraftHeads, features: Features, config: FedConfig, floor: DeviceFloor, run_key: str
+    heads: DraftHeads,
+    features: Features,
+    config: FedConfig,
+    floor: DeviceFloor,
+    run_key: str,
+    user: UserNoise | None = None,
 ) -> RoundResult:
     """One round on a device: its ledger is read, the round trained (or declined) and the ledger saved.
 
@@ -173,7 +198,7 @@ def device_round(
             except LedgerError as exc:
                 return declined(str(exc))
             history = ledger.history(excluding=run_key)
-            result = train_round(heads, features, config, ledger.run(run_key), floor, history)
+            result = train_round(heads, features, config, ledger.run(run_key), floor, history, user)
             if not result.skipped:
                 save_ledger(ledger)  # durable before the update leaves (the reply is built after this returns)
             return result

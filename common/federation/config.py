@@ -20,6 +20,7 @@ MIN_CHUNK_LEN = 8  # the shortest chunk (privacy unit) any run or device floor m
 
 PARTITIONINGS = ("iid", "dirichlet", "package", "user")
 DP_LEVELS = ("example", "user")
+USER_DP_NOISE = ("device", "server")  # common/federation/user_dp.py
 DP_TRAINABLE = ("all", "fusion", "blocks", "lowrank")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
 HEADS_CODECS = ("float32", "float16", "int8")  # common/federation/wire.py
@@ -62,7 +63,16 @@ class FedConfig:
     dp_planned_rounds: int = _knob(0, "rounds a client plans to join for sigma calibration; 0: num-server-rounds")
     dp_level: str = _knob(
         "example",
-        "example: Opacus DP-SGD per chunk on each client | user: clipped client updates + server noise (fl-dp-sa)",
+        "example: Opacus DP-SGD per chunk on each client | user: each client's whole update clipped and noised "
+        "(common/federation/user_dp.py)",
+    )
+    user_dp_noise: str = _knob(
+        "device",
+        "dp-level=user: device: each client adds a noise share before SecAgg+ masks it | server: the server "
+        "noises the unmasked sum (fl-dp-sa)",
+    )
+    user_dp_alignment: float = _knob(
+        0.1, "dp-level=user plan: root mean pairwise cosine of client updates, from public data or a prior run"
     )
     dp_trainable: str = _knob(
         "all",
@@ -232,6 +242,7 @@ class FedConfig:
                 raise FedLookaheadError("set dp-target-epsilon > 0 or dp-noise-multiplier > 0 (or dp=false)")
         for key, value, allowed in (
             ("dp-level", self.dp_level, DP_LEVELS),
+            ("user-dp-noise", self.user_dp_noise, USER_DP_NOISE),
             ("dp-trainable", self.dp_trainable, DP_TRAINABLE),
             ("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS),
         ):
@@ -245,9 +256,16 @@ class FedConfig:
             raise FedLookaheadError(f"update-max-norm must be a finite number >= 0, got {self.update_max_norm}")
         if self.dp and self.dp_level == "user" and not self.update_max_norm > 0:
             raise FedLookaheadError(
-                "dp-level=user needs update-max-norm > 0: it is the clip the server's noise is calibrated to "
+                "dp-level=user needs update-max-norm > 0: it is the clip the noise is calibrated to "
                 "(docs/privacy_utility.json used 0.1)"
             )
+        if self.dp and self.dp_level == "user" and self.user_dp_noise == "device" and not self.secagg:
+            raise FedLookaheadError(
+                "dp-level=user with user-dp-noise=device needs secagg=true: a noise share protects only inside "
+                "a secure sum (the server would see each client's update with its share alone)"
+            )
+        if not 0 < self.user_dp_alignment <= 1:
+            raise FedLookaheadError(f"user-dp-alignment must be in (0, 1], got {self.user_dp_alignment}")
         if not self.server_lr > 0 or not 0 <= self.server_momentum < 1:
             raise FedLookaheadError("server-lr must be positive and server-momentum in [0, 1)")
         if self.partitioning not in PARTITIONINGS:

@@ -24,6 +24,11 @@ from typing import Any, Mapping, NoReturn
 ROUND_KEY = "server-round"  # train/evaluate config: the server round
 RUN_KEY = "fedla-run-id"  # train config: the run id (keys the client's privacy accountant)
 HEADS_CODEC = "heads-codec"  # train config: how fitins.parameters are encoded (common/federation/wire.py)
+# train config under dp-level=user with user-dp-noise=device (common/federation/user_dp.py): the run's noise
+# multiplier, the fewest shares its sum is sized for, and the sampling rate its accounting claims
+USER_DP_NOISE_MULTIPLIER = "user-dp-noise-multiplier"
+USER_DP_NOISE_COHORT = "user-dp-noise-cohort"
+USER_DP_SAMPLE_RATE = "user-dp-sample-rate"
 BAD_SHARE_SOURCES = "fedla-bad-share-sources"  # SecAgg+ collect reply: peers whose key shares did not decrypt
 EVALUATE = "evaluate"  # evaluate config: measure the heads on held-out chunks (false: a push, only keep them)
 HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages

@@ -169,9 +169,10 @@ def abort_probability(cohort: int, shares: int, threshold: int, dropout: float) 
     return min(1.0, cohort * ((1 - dropout) * at_most(threshold - 2) + dropout * at_most(threshold - 1)))
 
 
-def secagg_plan(config: FedConfig, cohort: int, num_parameters: int) -> SecAggPlan:
+def secagg_plan(config: FedConfig, cohort: int, num_parameters: int, clipping_range: float | None = None) -> SecAggPlan:
     """SecAgg+'s parameters for `cohort` clients: the rule (module docstring), or secagg-num-shares and
-    secagg-reconstruction-threshold where the run config sets them (Flower's own arithmetic)."""
+    secagg-reconstruction-threshold where the run config sets them (Flower's own arithmetic). `clipping_range`:
+    a noised update's (common/federation/user_dp.py masked_range) instead of an honest client's move."""
     if config.secagg_num_shares:
         shares, threshold = explicit_shares_and_threshold(config, cohort)
     else:
@@ -195,7 +196,7 @@ def secagg_plan(config: FedConfig, cohort: int, num_parameters: int) -> SecAggPl
         tolerated_dropouts=max(0, min(shares, cohort) - threshold),
         max_dropout=config.secagg_max_dropout,
         abort_probability=abort_probability(cohort, shares, threshold, config.secagg_max_dropout),
-        clipping_range=coordinate_bound(config, num_parameters),
+        clipping_range=clipping_range or coordinate_bound(config, num_parameters),
         quantization_range=levels,
         modulus_range=modulus,
         bytes_per_value=masked_dtype(modulus).itemsize,
