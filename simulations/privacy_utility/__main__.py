@@ -33,7 +33,7 @@ this package. Configurations:
   server momentum (FedAvgM over the DP mean), training only the fusion head, training rank-8 updates of
   every Linear (merged after each round, common/heads/lowrank.py). The epsilons below 8 use
   the recipe this comparison chose;
-* ``user_dp``: user-level DP (dp-level=user, Flower's fixedclipping_mod + server noise, server/user_dp.py)
+* ``user_dp``: user-level DP (dp-level=user: Flower's fixedclipping_mod, each device's noise share, common/federation/user_dp.py)
   at epsilon 8.
 
 Metrics per client on its held-out test half: per-head top-1 accuracy against the base's greedy

@@ -89,7 +89,7 @@ def dp_run_config(run_config: dict, eps: float, recipe: dict) -> dict:
 
 
 def user_dp_run_config(run_config: dict) -> dict:
-    """`run_config` with user-level DP (Flower's fixed clipping + server noise) at the tricks' epsilon."""
+    """`run_config` with user-level DP (Flower's fixed clipping, noise shares added on the devices) at the tricks' epsilon."""
     return dict(
         run_config,
         **{"dp": True, "dp-level": "user", "update-max-norm": 0.1, "dp-target-epsilon": float(TRICK_EPSILON)},
