@@ -28,13 +28,12 @@ from client.client_app import (
     train_handler,
     update_sent,
 )
-from client.node_config import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, STATE_DIR_KEY
 from client.training.dp import PrivacyState
 from client.training.local_round import train_round
 from common.data.chunks import stdlib_dir
 from common.data.features import base_features
 from common.federation.config import FedConfig
-from common.federation.records import heads_config_dict, heads_to_ndarrays
+from common.federation.records import heads_to_ndarrays
 from common.federation.user_dp import epsilon_after, noise_multiplier
 from common.heads.lookahead import DraftHeads
 from server.federation import run_federation
@@ -117,7 +116,7 @@ def test_epsilon_composed_over_all_rounds_matches_opacus_and_stays_under_target(
         assert worst == pytest.approx(privacy["epsilon_max"], rel=1e-3, abs=1e-3)
         assert worst <= float(target) + 1e-3
     user = result["user_dp"]["8"]["privacy"]["user_dp"]
-    assert user["epsilon"] <= 8.0 + 1e-6 and user["noise_added_by"].startswith("server")
+    assert user["epsilon"] <= 8.0 + 1e-6 and user["noise_added_by"] == "device"
 
 
 def test_the_teacher_forced_chain_estimate_counts_leading_hits(tiny_base):
@@ -261,28 +260,6 @@ def test_user_level_dp_round_clips_every_update_and_noises_the_secure_mean(
     assert plan["noise_std"] == pytest.approx(expected_std)
     assert abs(float(noise.mean())) < 0.05 * expected_std
     assert float(noise.std()) == pytest.approx(expected_std, rel=0.05)
-
-
-def test_a_device_keeps_its_own_dp_sgd_when_a_run_asks_for_user_level(tiny_base, tiny_base_dir, tmp_path, one_thread):
-    """User-level DP trusts the server with the noise; a device (state-dir: its own privacy floor) never
-    does, so it still trains with Opacus DP-SGD and reports its epsilon."""
-    node_config = {STATE_DIR_KEY: str(tmp_path / "state"), PARTITION_ID_KEY: 0, NUM_PARTITIONS_KEY: 1}
-    run_config = {
-        "base-model-dir": str(tiny_base_dir),
-        "data-source": str(stdlib_dir() / "json"),
-        "chunk-len": 32,
-        "max-chunks-per-client": 12,
-        "num-heads": 2,
-        "batch-size": 4,
-        "dp-level": "user",
-        "update-max-norm": 0.1,
-    }
-    context = Context(run_id=7, node_id=3, node_config=node_config, state=RecordDict(), run_config=run_config)
-    heads = DraftHeads.fresh(tiny_base, 2)
-    fit_config = {**heads_config_dict(heads), "fedla-run-id": "user-level-run", "server-round": 1}
-    metrics = train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
-    assert metrics["skipped"] == 0 and metrics["dp"] == 1 and metrics["noise-multiplier"] > 0
-    assert 0 < metrics["epsilon"] < math.inf
 
 
 # ------------------------------------------------------------------------------ tricks

@@ -94,14 +94,15 @@ def test_the_share_mod_noises_the_clipped_heads_and_nothing_else():
     assert np.array_equal(sent(noise_share_added(msg, context, lambda m, c: reply_to(m))), heads[0])  # no share set
 
 
-@pytest.mark.parametrize("cohort, user_level", [(128, True), (32, False)])
+@pytest.mark.parametrize("cohort, user_level", [(128, True), (32, False), (None, False)])
 def test_a_device_takes_user_level_only_as_its_own_share_at_its_floor(
     tiny_base, tiny_base_dir, tmp_path, one_thread, cohort, user_level
 ):
     """A device adds its own share only in a sum sized for at least its min-noise-cohort; its ledger is
     charged a user-level round at its floor's sampling rate (1: it trusts no claimed population; at the
     floor's sigma 0.5 that one round alone would exceed its budget 8, and it declines). Below its
-    floor it keeps its example-level DP-SGD: never no DP."""
+    floor, or when the server sends no noise settings (it never trusts server-added noise), it keeps its
+    example-level DP-SGD and reports its epsilon: never no DP."""
     node_config = {
         STATE_DIR_KEY: str(tmp_path / "state"),
         MIN_NOISE_COHORT_KEY: 64,
@@ -125,10 +126,13 @@ def test_a_device_takes_user_level_only_as_its_own_share_at_its_floor(
         "fedla-run-id": "user-run",
         "server-round": 1,
         KEY_CLIPPING_NORM: 0.1,
-        USER_DP_NOISE_MULTIPLIER: 2.0,
-        USER_DP_NOISE_COHORT: cohort,
-        USER_DP_SAMPLE_RATE: 0.001,  # a claimed population the device does not take on trust
     }
+    if cohort is not None:
+        fit_config |= {
+            USER_DP_NOISE_MULTIPLIER: 2.0,
+            USER_DP_NOISE_COHORT: cohort,
+            USER_DP_SAMPLE_RATE: 0.001,  # a claimed population the device does not take on trust
+        }
     metrics = train_handler(fit_config, heads_to_ndarrays(heads), context).metrics
     (run_key,) = load_ledger(tmp_path / "state").runs  # the device keys its runs itself
     state = load_ledger(tmp_path / "state").runs[run_key]
@@ -140,5 +144,6 @@ def test_a_device_takes_user_level_only_as_its_own_share_at_its_floor(
         assert metrics["epsilon"] == pytest.approx(user_dp.epsilon_after(2.0, 1.0, 1, 1e-5))
     else:
         assert state.level == "example" and share == 0.0 and state.history[0][2] > 1  # Opacus DP-SGD steps
+        assert metrics["noise-multiplier"] > 0 and 0 < metrics["epsilon"] < math.inf
     saved = json.loads((tmp_path / "state" / "privacy-ledger.json").read_text())
     assert saved["runs"][run_key]["level"] == state.level

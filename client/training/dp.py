@@ -15,17 +15,15 @@ says so in its reply).
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from flwr.app import ConfigRecord
 from opacus.accountants import RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 
 from common.federation.config import FedConfig
+from common.federation.user_dp import noise_multiplier
 
 EPSILON_SLACK = 1e-6  # float noise only; never a real allowance over the target
 
@@ -106,15 +104,4 @@ def choose_noise_multiplier(config: FedConfig, q: float, steps_per_round: int) -
     """sigma for the whole planned run: target epsilon after `planned_rounds` rounds of this client's steps."""
     if config.dp_noise_multiplier > 0:
         return config.dp_noise_multiplier
-    return _sigma(config.dp_target_epsilon, config.dp_delta, q, config.planned_rounds * steps_per_round)
-
-
-@functools.lru_cache(maxsize=256)
-def _sigma(target_epsilon: float, delta: float, q: float, steps: int) -> float:
-    with warnings.catch_warnings():  # the search visits sigmas whose best RDP order is the largest one
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(
-            get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=delta, sample_rate=q, steps=steps, accountant="rdp"
-            )
-        )
+    return noise_multiplier(config.dp_target_epsilon, config.dp_delta, q, config.planned_rounds * steps_per_round)

@@ -23,6 +23,7 @@ from client.node_config import (
 )
 from common.errors import FedLookaheadError
 from common.federation.config import MIN_CHUNK_LEN, FedConfig
+from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,6 @@ class DeviceFloor:
         at least `min_noise_cohort` shares; its noise multiplier is at least its floor's and its ledger is
         charged at no less than `min_user_sample_rate`, whatever the server claims.
         """
-        from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
-
         if not (config.dp_level == "user" and config.user_dp_noise == "device" and config.secagg):
             return None
         try:

@@ -43,8 +43,9 @@ FULL_GAIN_SNR = 0.2
 
 
 @functools.lru_cache(maxsize=256)
-def noise_multiplier(epsilon: float, delta: float, sample_rate: float, rounds: int) -> float:
-    """z such that `rounds` sampled Gaussian rounds at `sample_rate` spend `epsilon` at `delta` (Opacus RDP)."""
+def noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """z such that `steps` sampled Gaussian steps at `sample_rate` spend `epsilon` at `delta` (Opacus RDP): a
+    user-level run's rounds here, a client's DP-SGD steps in client/training/dp.py."""
     with warnings.catch_warnings():  # the search visits sigmas whose best RDP order is the largest one
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         return float(
@@ -52,7 +53,7 @@ def noise_multiplier(epsilon: float, delta: float, sample_rate: float, rounds: i
                 target_epsilon=epsilon,
                 target_delta=delta,
                 sample_rate=min(1.0, sample_rate),
-                steps=rounds,
+                steps=steps,
                 accountant="rdp",
             )
         )
