@@ -55,6 +55,8 @@ from common.federation.protocol import (
 if TYPE_CHECKING:
     from client.training.floor import UserNoise
     from common.federation.config import FedConfig
+    from common.heads.lookahead import DraftHeads
+    from common.training.preconditioner import Preconditioner
 
 
 # the train metrics a device sends: its privacy spending, none of its data's statistics
@@ -191,6 +193,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         raise FedLookaheadError("this client has no training chunks")
     run_key = str(fit_config.get(RUN_KEY, context.run_id))
     features = client_features(config, base, data.train, dict(context.node_config))
+    preconditioner = sent_preconditioner(config, fit_config, heads)
     floor = DeviceFloor.from_node_config(context.node_config)
     # a device takes user-level DP only as its own noise share at its floor's terms, else keeps DP-SGD
     device_user = floor.user_level(config, fit_config) if floor is not None else None
@@ -198,7 +201,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if user_level and floor is None:  # no per-chunk noise: fixedclipping_mod clips the whole update
         config = replace(config, dp=False)
     if floor is not None:  # a device: its own ledger and lifetime budget
-        result = device_round(heads, features, config, floor, run_key, device_user)
+        result = device_round(heads, features, config, floor, run_key, device_user, preconditioner)
     else:  # a simulated client: the run config governs
         path = state_file(config, context.node_config, run_key) if config.dp else None
         if config.dp and config.resume_from and path is None:  # a resumed run is a new Flower run: empty context
@@ -207,11 +210,15 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
                 "client-state-dir keeps: without it epsilon would restart at this round's"
             )
         state = load_state(context, path, run_key) if config.dp else None
-        result = train_round(heads, features, config, state)
+        result = train_round(heads, features, config, state, preconditioner=preconditioner)
         if state is not None and not result.skipped:
             save_state(context, path, state)
     set_share(context, 0.0 if result.skipped or not user_level else share_std_of(config, fit_config, device_user))
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
+    if preconditioner is not None and not result.skipped:  # clipped, noised and masked in the scaled coordinates
+        from common.training.preconditioner import whitened
+
+        sent = whitened(arrays, sent, preconditioner.update_scale([name for name, _ in wire_shapes(heads)]))
     bound = config.secagg_clipping_range if config.secagg else None
     reason = validate_update(sent, wire_shapes(heads), bound)
     if reason:  # never send something the secure sum would silently clip or that would poison it
@@ -241,6 +248,20 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if floor is not None:
         metrics = {key: metrics[key] for key in DEVICE_TRAIN_METRICS}
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(sent), weight, metrics)
+
+
+def sent_preconditioner(config: FedConfig, fit_config: dict, heads: DraftHeads) -> Preconditioner | None:
+    """client-optimizer=public-sgd: the public preconditioner the server sent with the heads (public data's
+    statistics, so nothing private); else None (AdamW)."""
+    from common.errors import FedLookaheadError
+    from common.training.preconditioner import Preconditioner
+
+    if config.client_optimizer != "public-sgd":
+        return None
+    blob = fit_config.get(P.PUBLIC_PRECONDITIONER)
+    if not isinstance(blob, bytes):
+        raise FedLookaheadError("client-optimizer=public-sgd but the train config carries no public preconditioner")
+    return Preconditioner.from_bytes(blob, heads)
 
 
 def share_std_of(config: FedConfig, fit_config: dict, device_user: UserNoise | None) -> float:

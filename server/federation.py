@@ -23,7 +23,8 @@ from flwr.serverapp.grid import Grid
 
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.records import heads_to_ndarrays
+from common.federation.protocol import PUBLIC_PRECONDITIONER
+from common.federation.records import heads_to_ndarrays, wire_shapes
 from common.federation.wire import secagg_plan
 from common.heads.draft_vocab import public_draft_vocab
 from common.heads.lookahead import DraftHeads
@@ -176,6 +177,20 @@ def _starting_heads(config: FedConfig, base: BaseModel, context: Context) -> tup
     return Path(config.run_dir).expanduser().resolve() / run_id, run_id, heads, 1
 
 
+def _preconditioner(config: FedConfig, base: BaseModel, heads: DraftHeads) -> tuple[bytes | None, list | None]:
+    """client-optimizer=public-sgd: the starting heads' public preconditioner, computed once per run, as the
+    clients receive it, and the scale of the coordinates their updates come back in."""
+    if config.client_optimizer != "public-sgd":
+        return None, None
+    from common.training.preconditioner import Preconditioner, stdlib_preconditioner
+
+    started = time.perf_counter()
+    blob = stdlib_preconditioner(heads, base, config.chunk_len, config.seed).to_bytes()
+    log.info("public preconditioner: %d bytes in %.1f s", len(blob), time.perf_counter() - started)
+    scale = Preconditioner.from_bytes(blob, heads).update_scale([name for name, _ in wire_shapes(heads)])
+    return blob, scale
+
+
 def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
     """The whole federated run; returns runs/<run-id>. Raises (after marking the run failed) on fatal errors."""
     base = server_base(config)
@@ -231,6 +246,12 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
                 modulus_range=secagg["modulus_range"],
                 timeout=config.round_timeout or None,
             )
+        preconditioner, update_scale = _preconditioner(config, base, heads)
+        fit_extras: dict[str, Any] = {PUBLIC_PRECONDITIONER: preconditioner} if preconditioner is not None else {}
+        if "user_dp" in plan and config.user_dp_noise == "device":  # each device adds its share
+            from server.user_dp import device_noise_config
+
+            fit_extras.update(device_noise_config(plan["user_dp"]))
         ctx = RoundContext(
             grid=grid,
             context=context,
@@ -242,6 +263,8 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             optimizer=server_optimizer.from_config(config),  # issue 12: fedavg | fedavgm | fedadam
             workflow=workflow,
             user_dp=plan.get("user_dp"),
+            fit_extras=fit_extras,
+            update_scale=update_scale,
             eval_rng=random.Random(config.seed + 1),
         )
         for server_round in range(start_round, config.num_server_rounds + 1):

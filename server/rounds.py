@@ -46,6 +46,7 @@ from common.federation.records import (
 from common.federation.wire import decode_update, encode_heads
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
+from common.training.preconditioner import unwhitened
 from server.evaluation import ServerEval, client_evaluation
 from server.guard import ExchangeLog, GuardedGrid, short_reason
 from server.run.record import RoundRecord
@@ -69,6 +70,9 @@ class RoundContext:
     optimizer: Any  # server.server_optimizer: step(current, mean) -> new arrays
     workflow: TolerantSecAggPlusWorkflow | None = None  # None: plain FedAvg (default_fit_workflow)
     user_dp: dict[str, Any] | None = None  # dp-level=user: server.user_dp's plan
+    # the run's constant train-config keys: the devices' noise settings, the public preconditioner
+    fit_extras: dict[str, Any] = field(default_factory=dict)
+    update_scale: list[np.ndarray] | None = None  # its coordinates, in which those clients send their updates
     eval_rng: random.Random = field(default_factory=random.Random)  # which nodes evaluate
     client_eps: dict[int, float] = field(default_factory=dict)  # node -> its latest cumulative epsilon
 
@@ -124,11 +128,7 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     config = ctx.config
     exchange = guarded.exchange
     current = heads_to_ndarrays(heads)
-    fit_config = {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec}
-    if ctx.user_dp is not None and config.user_dp_noise == "device":  # each device adds its share
-        from server.user_dp import device_noise_config
-
-        fit_config.update(device_noise_config(ctx.user_dp))
+    fit_config = {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec, **ctx.fit_extras}
     strategy: Strategy = HeadsStrategy(config, exchange, guarded.shapes, fit_config, current)
     if ctx.user_dp is not None and config.user_dp_noise == "server":  # Flower's fl-dp-sa wrapper noises the sum
         from server.user_dp import wrap_strategy
@@ -146,12 +146,8 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
         {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()}
     )
-    log.info(
-        "[ROUND %d/%d] %s",
-        server_round,
-        config.num_server_rounds,
-        "SecAgg+ FedAvg" if config.secagg else "plain FedAvg",
-    )
+    mode = "SecAgg+ FedAvg" if config.secagg else "plain FedAvg"
+    log.info("[ROUND %d/%d] %s", server_round, config.num_server_rounds, mode)
     try:
         (ctx.workflow or default_fit_workflow)(guarded, legacy)
     except Exception as exc:  # noqa: BLE001 - what clients sent may still break Flower's workflow: lose the round, not the run
@@ -160,7 +156,10 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
         exchange.aggregate_note = f"round aborted: {type(exc).__name__}: {short_reason(str(exc), 200)}"
     if exchange.aggregated:
         new = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
-        load_ndarrays(heads, ctx.optimizer.step(current, parameters_to_ndarrays(new)))  # issue 12
+        mean = parameters_to_ndarrays(new)
+        if ctx.update_scale is not None:  # public-sgd clients sent their updates in the scaled coordinates
+            mean = unwhitened(current, mean, ctx.update_scale)
+        load_ndarrays(heads, ctx.optimizer.step(current, mean))  # issue 12
         heads.config.version = server_round
     elif not exchange.aggregate_note:
         exchange.aggregate_note = (

@@ -27,6 +27,7 @@ from common.federation.config import FedConfig
 from common.heads.lookahead import DraftHeads
 from common.heads.lowrank import low_rank_updates
 from common.training.loop import HeadMetrics, feature_loader, train_epoch
+from common.training.preconditioner import PreconditionedSGD, Preconditioner
 
 PHYSICAL_BATCH = 64  # chunks per forward under DP-SGD: bounds the memory of per-sample gradients
 
@@ -51,11 +52,18 @@ def trained_parameters(heads: DraftHeads, config: FedConfig) -> Iterator[list[to
         yield parameters
 
 
-def train_plainly(heads: DraftHeads, features: Features, config: FedConfig) -> HeadMetrics:
-    """Local epochs of AdamW on the heads, in place, without per-chunk noise."""
+def train_plainly(
+    heads: DraftHeads, features: Features, config: FedConfig, preconditioner: Preconditioner | None = None
+) -> HeadMetrics:
+    """Local epochs of the client optimizer on the heads, in place, without per-chunk noise: AdamW, or with
+    `preconditioner` (client-optimizer=public-sgd) SGD scaled by the public gradients' rms."""
     metrics = HeadMetrics(heads.num_heads)
     with trained_parameters(heads, config) as trainable:
-        optimizer = torch.optim.AdamW(trainable, lr=config.lr)
+        if preconditioner is None:
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(trainable, lr=config.lr)
+        else:
+            named = [(name, p) for name, p in heads.named_parameters() if p.requires_grad]
+            optimizer = PreconditionedSGD(named, preconditioner.denominators(), config.lr)
         for epoch in range(config.local_epochs):
             loader = feature_loader(features, config.batch_size, shuffle=True, seed=config.seed + epoch)
             metrics = train_epoch(heads, loader, optimizer, heads.num_heads, show_progress=False)
@@ -82,9 +90,11 @@ def train_round(
     floor: DeviceFloor | None = None,
     earlier: History | None = None,
     user: UserNoise | None = None,
+    preconditioner: Preconditioner | None = None,
 ) -> RoundResult:
     """One round of local training, in place on `heads`: DP-SGD (Opacus) or plain, per config.dp; `user`
-    given (a device's user-level round): trained plainly, one round of that mechanism charged.
+    given (a device's user-level round): trained plainly, one round of that mechanism charged. A plain round
+    steps with `preconditioner` when the server sent one (client-optimizer=public-sgd).
 
     Reads the chunks' cached base features (one row per chunk: the privacy unit). With DP, `state`
     is updated (history appended, sigma fixed on first use) only when training ran. On a device
@@ -95,7 +105,7 @@ def train_round(
     started = time.perf_counter()
     q, steps = plan(config, len(features))
     if not config.dp:
-        metrics = train_plainly(heads, features, config)
+        metrics = train_plainly(heads, features, config, preconditioner)
         return RoundResult(metrics, math.inf, q, steps, 0.0, seconds=time.perf_counter() - started)
 
     assert state is not None
@@ -136,7 +146,7 @@ def train_round(
             )
 
     if user is not None:
-        metrics = train_plainly(heads, features, config)
+        metrics = train_plainly(heads, features, config, preconditioner)
         state.level = "user" if state.level == "user" or not state.history else "mixed"
         state.noise_multiplier = sigma
         state.history = state.history + this_round
@@ -178,6 +188,7 @@ def device_round(
     floor: DeviceFloor,
     run_key: str,
     user: UserNoise | None = None,
+    preconditioner: Preconditioner | None = None,
 ) -> RoundResult:
     """One round on a device: its ledger is read, the round trained (or declined) and the ledger saved.
 
@@ -198,7 +209,7 @@ def device_round(
             except LedgerError as exc:
                 return declined(str(exc))
             history = ledger.history(excluding=run_key)
-            result = train_round(heads, features, config, ledger.run(run_key), floor, history, user)
+            result = train_round(heads, features, config, ledger.run(run_key), floor, history, user, preconditioner)
             if not result.skipped:
                 save_ledger(ledger)  # durable before the update leaves (the reply is built after this returns)
             return result

@@ -23,6 +23,7 @@ DP_LEVELS = ("example", "user")
 USER_DP_NOISE = ("device", "server")  # common/federation/user_dp.py
 DP_TRAINABLE = ("all", "fusion", "blocks", "lowrank")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
+CLIENT_OPTIMIZERS = ("adamw", "public-sgd")
 HEADS_CODECS = ("float32", "float16", "int8")  # common/federation/wire.py
 
 
@@ -47,7 +48,12 @@ class FedConfig:
 
     # local training
     local_epochs: int = _knob(1, "epochs over the client's chunks per round")
-    lr: float = _knob(0.001, "AdamW learning rate of the heads")
+    lr: float = _knob(0.001, "learning rate of the client optimizer (public-sgd wants about 1e-4)")
+    client_optimizer: str = _knob(
+        "adamw",
+        "adamw | public-sgd: SGD with per-coordinate steps from public gradients, sent by the server "
+        "(common/training/preconditioner.py; the user-level DP client)",
+    )
     batch_size: int = _knob(16, "expected (Poisson-sampled) batch size")
     chunk_len: int = _knob(128, "tokens per chunk (one chunk = one DP privacy unit)")
     num_heads: int = _knob(4, "K lookahead heads")
@@ -245,9 +251,18 @@ class FedConfig:
             ("user-dp-noise", self.user_dp_noise, USER_DP_NOISE),
             ("dp-trainable", self.dp_trainable, DP_TRAINABLE),
             ("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS),
+            ("client-optimizer", self.client_optimizer, CLIENT_OPTIMIZERS),
         ):
             if value not in allowed:
                 raise FedLookaheadError(f"unknown {key} {value!r}: use one of {allowed}")
+        if self.client_optimizer == "public-sgd" and (
+            self.dp_trainable == "lowrank" or (self.dp and self.dp_level == "example") or not self.update_max_norm > 0
+        ):
+            raise FedLookaheadError(
+                "client-optimizer=public-sgd steps the heads' own parameters without per-chunk DP and has no "
+                "AdamW step bound: use it with dp=false or dp-level=user, a dp-trainable other than lowrank, "
+                "and update-max-norm > 0"
+            )
         if not self.init_heads:
             raise FedLookaheadError('init-heads must be "public", "fresh" or a heads folder, got ""')
         if not self.public_heads_minutes > 0:

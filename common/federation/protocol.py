@@ -29,6 +29,7 @@ HEADS_CODEC = "heads-codec"  # train config: how fitins.parameters are encoded (
 USER_DP_NOISE_MULTIPLIER = "user-dp-noise-multiplier"
 USER_DP_NOISE_COHORT = "user-dp-noise-cohort"
 USER_DP_SAMPLE_RATE = "user-dp-sample-rate"
+PUBLIC_PRECONDITIONER = "public-preconditioner"  # train config, client-optimizer=public-sgd: Preconditioner.to_bytes
 BAD_SHARE_SOURCES = "fedla-bad-share-sources"  # SecAgg+ collect reply: peers whose key shares did not decrypt
 EVALUATE = "evaluate"  # evaluate config: measure the heads on held-out chunks (false: a push, only keep them)
 HEADS_RECORD = "heads"  # ArrayRecord name in native (evaluate) messages
