@@ -8,7 +8,8 @@ starts a private local SuperLink (its own ports and FLWR_HOME, see server/superl
 `flwr run . local --run-config ... --federation-config ... --stream` (with faults: `flwr run` of a
 copy of the app whose ClientApp carries them), waits for the run to end and stops every process it started.
 The ServerApp writes runs/<run-id>/ (summary.json, rounds/, checkpoints/, plot.png); the runner adds
-flwr.log and prints the per-round table. A population scenario (partitioning = "user") has its users'
+flwr.log, prints the server's privacy verdict as soon as its plan is written (before round 1) and the
+per-round table. A population scenario (partitioning = "user") has its users'
 features cached first (simulations/population.py), so its clients train without the base's layers.
 
 Options: --set k=v (more run-config overrides, TOML values), --rounds N, --clients N (simulated clients;
@@ -22,6 +23,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 import tomllib
 from datetime import datetime, timezone
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    stop_announcing = threading.Event()
+    threading.Thread(target=announce_verdict, args=(folder, stop_announcing), daemon=True).start()
     if run_config.get("partitioning") == "user":  # a population: every user's features once, before round 1
         from simulations.population import prepare_population
 
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = link.submit(
                 app_dir, run_config, federation, log_path=folder.log, timeout=args.timeout, echo=False
             )
+    stop_announcing.set()
     seconds = time.perf_counter() - started
     summary_file = folder.summary
     if not summary_file.is_file():
@@ -179,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary)
     print(f"\nwall time {seconds:.0f}s; summary {summary_file}; plot {folder.plot}")
     return 0 if code == 0 and summary["run"]["status"] == "finished" else 1
+
+
+def announce_verdict(folder: RunFolder, stop: threading.Event, poll_seconds: float = 0.5) -> None:
+    """Print the privacy plan's one-line verdict (server/federation.py privacy_plan) once run.json holds it:
+    the server writes it before round 1, so the researcher reads it before waiting on a run that will not learn."""
+    while not stop.is_set():
+        try:
+            plan = json.loads(folder.run_file.read_text())["plan"]
+        except (OSError, ValueError, KeyError):  # not written yet, mid-write, or the plan not in it yet
+            stop.wait(poll_seconds)
+            continue
+        verdict = plan.get("privacy", {}).get("verdict")
+        if verdict:
+            print(f"privacy plan: {verdict}", flush=True)
+        return
 
 
 def warn_if_secagg_cannot_survive(faults: FaultPlan, run_config: dict, num_nodes: int) -> None:

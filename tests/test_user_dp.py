@@ -147,3 +147,23 @@ def test_a_device_takes_user_level_only_as_its_own_share_at_its_floor(
         assert metrics["noise-multiplier"] > 0 and 0 < metrics["epsilon"] < math.inf
     saved = json.loads((tmp_path / "state" / "privacy-ledger.json").read_text())
     assert saved["runs"][run_key]["level"] == state.level
+
+
+def test_the_simulation_runner_prints_the_verdict_once_the_server_has_planned(tmp_path, capsys):
+    """simulations.run prints the plan's verdict from run.json as soon as the server writes it (before round 1):
+    it waits through a missing file and a run.json without its plan yet."""
+    import threading
+
+    from server.run.folder import RunFolder
+    from simulations.run import announce_verdict
+
+    folder = RunFolder(tmp_path)
+    stop = threading.Event()
+    announcer = threading.Thread(target=announce_verdict, args=(folder, stop, 0.01))
+    announcer.start()
+    folder.run_file.write_text(json.dumps({"run_id": "r"}))
+    line = user_dp.verdict(0.01, 64, 2000)
+    folder.run_file.write_text(json.dumps({"plan": {"privacy": {"verdict": line}}}))
+    announcer.join(timeout=5)
+    assert not announcer.is_alive()
+    assert capsys.readouterr().out == f"privacy plan: {line}\n"
