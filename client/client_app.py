@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
+import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.client.mod import fixedclipping_mod, secaggplus_mod
@@ -37,7 +38,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 
 from client import device_hooks, secagg
-from client.noise_share import noise_share_added, set_share
+from client.noise_share import Share, noise_share_added, set_clip_bit, set_share, wants_clip_bit
 from client.state import state_dir_of
 from common.federation import protocol as P
 from common.federation.protocol import (
@@ -102,7 +103,9 @@ def update_sent(msg: Message, context: Context, call_next):
 
     received = parameters_to_ndarrays(compat.recorddict_to_fitins(msg.content, keep_input=True).parameters)
     fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
-    update = [new - old for new, old in zip(parameters_to_ndarrays(fitres.parameters), received)]
+    sent = parameters_to_ndarrays(fitres.parameters)
+    # past the heads' arrays, what the inner mods appended travels as it is (adaptive clipping's noised bit)
+    update = [new - old for new, old in zip(sent, received)] + sent[len(received) :]
     # secaggplus_mod quantizes a float32 update itself (it took the stage key out but left its config record)
     if RECORD_KEY_CONFIGS not in msg.content.config_records:
         update = encode_update(update)
@@ -128,6 +131,12 @@ def fixedclipping_when_asked(msg: Message, context: Context, call_next):
         reply = call_next(inner_msg, inner_context)
         if not reply.has_error() and reply.content.config_records[P.FITRES_METRICS].get(P.SKIPPED):
             raise _NothingToClip(reply)  # its update is zero, which Flower's clip would divide by
+        if not reply.has_error() and wants_clip_bit(inner_context):  # adaptive clipping: within the clip?
+            fitins = compat.recorddict_to_fitins(inner_msg.content, keep_input=True)
+            fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+            pairs = zip(parameters_to_ndarrays(fitres.parameters), parameters_to_ndarrays(fitins.parameters))
+            norm = float(np.sqrt(sum(float(np.sum((new - old) ** 2)) for new, old in pairs)))
+            set_clip_bit(inner_context, norm <= float(fitins.config[KEY_CLIPPING_NORM]))
         return reply
 
     try:
@@ -213,7 +222,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
         result = train_round(heads, features, config, state, preconditioner=preconditioner)
         if state is not None and not result.skipped:
             save_state(context, path, state)
-    set_share(context, 0.0 if result.skipped or not user_level else share_std_of(config, fit_config, device_user))
+    set_share(context, *(Share() if result.skipped or not user_level else share_of(config, fit_config, device_user)))
     sent = heads_to_ndarrays(heads) if not result.skipped else arrays
     if preconditioner is not None and not result.skipped:  # clipped, noised and masked in the scaled coordinates
         from common.training.preconditioner import whitened
@@ -264,28 +273,29 @@ def sent_preconditioner(config: FedConfig, fit_config: dict, heads: DraftHeads) 
     return Preconditioner.from_bytes(blob, heads)
 
 
-def share_std_of(config: FedConfig, fit_config: dict, device_user: UserNoise | None) -> float:
+def share_of(config: FedConfig, fit_config: dict, device_user: UserNoise | None) -> Share:
     """This round's noise share (client/noise_share.py): none when the server adds the noise; a device's from
-    its floor's terms; a simulated client's from the run's noise multiplier and cohort."""
+    its floor's terms; a simulated client's from the run's settings in the train config."""
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+    from client.training.floor import UserNoise
     from common.errors import FedLookaheadError
     from common.federation.user_dp import share_std
 
     if config.user_dp_noise != "device":
-        return 0.0
+        return Share()
+    noise = device_user or UserNoise.from_fit_config(fit_config)
     try:
         clip = float(fit_config[KEY_CLIPPING_NORM])
-        z, shares = (
-            (device_user.noise_multiplier, device_user.shares)
-            if device_user is not None
-            else (float(fit_config[P.USER_DP_NOISE_MULTIPLIER]), int(fit_config[P.USER_DP_NOISE_COHORT]))
-        )
     except (KeyError, TypeError, ValueError) as exc:
-        raise FedLookaheadError(f"user-dp-noise=device but the train config lacks the noise settings ({exc})") from exc
-    if not (z > 0 and shares >= 1 and clip > 0):
-        raise FedLookaheadError(f"user-dp-noise=device with noise multiplier {z}, {shares} shares and clip {clip}")
-    return share_std(z, clip, shares)
+        raise FedLookaheadError(f"user-dp-noise=device but the train config has no clipping norm ({exc})") from exc
+    if noise is None or not clip > 0:
+        raise FedLookaheadError("user-dp-noise=device but the train config's noise settings are missing or malformed")
+    if config.adaptive_clip and noise.bit_scale <= 0:
+        raise FedLookaheadError("user-dp-clip-quantile > 0 but the train config carries no clip-bit noise")
+    return Share(
+        share_std(noise.noise_multiplier, clip, noise.shares), noise.bit_noise / noise.shares**0.5, noise.bit_scale
+    )
 
 
 def train(msg: Message, context: Context) -> Message:

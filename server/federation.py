@@ -264,6 +264,7 @@ def run_federation(grid: Grid, context: Context, config: FedConfig) -> Path:
             workflow=workflow,
             user_dp=plan.get("user_dp"),
             fit_extras=fit_extras,
+            clip=config.update_max_norm,
             update_scale=update_scale,
             eval_rng=random.Random(config.seed + 1),
         )

@@ -85,6 +85,7 @@ class ExchangeLog:
     aggregate_note: str = ""
     update_norms: dict[int, float] = field(default_factory=dict)  # node -> L2 distance of its plain update
     update_bound: float = 0.0  # the round's L2 bound on an update (FedConfig.update_bound), set by the guard
+    clip_bit_mean: float | None = None  # adaptive clipping: the aggregate's clip bits (server/rounds.py)
 
 
 def array_record_bytes(record: ArrayRecord) -> int:

@@ -12,7 +12,6 @@ round and sharing only that round's `ExchangeLog`. The run's loop (server/federa
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
-from common.federation.protocol import HEADS_CODEC, ROUND_KEY, RUN_KEY
+from common.federation.protocol import CLIP_BIT_SHAPE, HEADS_CODEC, ROUND_KEY, RUN_KEY
 from common.federation.records import (
     heads_config_dict,
     heads_to_ndarrays,
@@ -43,12 +42,14 @@ from common.federation.records import (
     validate_update,
     wire_shapes,
 )
+from common.federation.user_dp import next_clip
 from common.federation.wire import decode_update, encode_heads
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
 from common.training.preconditioner import unwhitened
 from server.evaluation import ServerEval, client_evaluation
 from server.guard import ExchangeLog, GuardedGrid, short_reason
+from server.round_record import round_record
 from server.run.record import RoundRecord
 from server.secagg import TolerantSecAggPlusWorkflow
 
@@ -72,6 +73,7 @@ class RoundContext:
     user_dp: dict[str, Any] | None = None  # dp-level=user: server.user_dp's plan
     # the run's constant train-config keys: the devices' noise settings, the public preconditioner
     fit_extras: dict[str, Any] = field(default_factory=dict)
+    clip: float = 0.0  # adaptive clipping: this round's clip (starts at update-max-norm)
     update_scale: list[np.ndarray] | None = None  # its coordinates, in which those clients send their updates
     eval_rng: random.Random = field(default_factory=random.Random)  # which nodes evaluate
     client_eps: dict[int, float] = field(default_factory=dict)  # node -> its latest cumulative epsilon
@@ -82,15 +84,18 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
     config = ctx.config
     started = time.perf_counter()
     exchange = ExchangeLog()
+    shapes = wire_shapes(heads) + ([CLIP_BIT_SHAPE] if config.adaptive_clip else [])
     guarded = GuardedGrid(
         ctx.grid,
         config,
         exchange,
-        wire_shapes(heads),
+        shapes,
         heads.num_heads,
         default_timeout=config.round_timeout or None,
         modulus_range=ctx.workflow.modulus_range if ctx.workflow is not None else None,
     )
+    if config.adaptive_clip:  # this round's clip, sent to every client as the clipping norm
+        exchange.update_bound = ctx.clip
     _fit(ctx, guarded, heads, server_round)
     fit_seconds = time.perf_counter() - started
 
@@ -108,7 +113,7 @@ def run_round(ctx: RoundContext, heads: DraftHeads, server_round: int) -> RoundR
         final=server_round == config.num_server_rounds,
     )
     client_eval_seconds = time.perf_counter() - eval_started
-    return _round_record(
+    return round_record(
         config,
         server_round,
         exchange,
@@ -129,7 +134,7 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
     exchange = guarded.exchange
     current = heads_to_ndarrays(heads)
     fit_config = {**heads_config_dict(heads), RUN_KEY: ctx.run_id, HEADS_CODEC: config.heads_codec, **ctx.fit_extras}
-    strategy: Strategy = HeadsStrategy(config, exchange, guarded.shapes, fit_config, current)
+    strategy: Strategy = HeadsStrategy(config, exchange, wire_shapes(heads), fit_config, current)
     if ctx.user_dp is not None and config.user_dp_noise == "server":  # Flower's fl-dp-sa wrapper noises the sum
         from server.user_dp import wrap_strategy
 
@@ -160,6 +165,12 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
         if ctx.update_scale is not None:  # public-sgd clients sent their updates in the scaled coordinates
             mean = unwhitened(current, mean, ctx.update_scale)
         load_ndarrays(heads, ctx.optimizer.step(current, mean))  # issue 12
+        if config.adaptive_clip and exchange.clip_bit_mean is not None:  # the noised share not clipped, uncentred
+            within = exchange.clip_bit_mean / ctx.user_dp["bit_scale"] + 0.5
+            ctx.clip = next_clip(
+                ctx.clip, within, config.user_dp_clip_quantile, config.user_dp_clip_lr, config.update_max_norm
+            )
+            exchange.clip_bit_mean = within
         heads.config.version = server_round
     elif not exchange.aggregate_note:
         exchange.aggregate_note = (
@@ -262,6 +273,9 @@ class HeadsStrategy(Strategy):
             mean = parameters_to_ndarrays(results[0][1].parameters)  # SecAgg+ put the weighted mean in each
         else:
             mean = _weighted_mean(weighted, total)
+        if self.config.adaptive_clip:  # the last masked array: the mean of the clients' noised, centred clip bits
+            *mean, bits = mean
+            log_.clip_bit_mean = float(np.asarray(bits).ravel()[0])
         arrays = [np.asarray(c, np.float64) + np.asarray(m, np.float64) for c, m in zip(self.current, mean)]
         reason = validate_update(
             [np.asarray(a, dtype=np.float32) for a in arrays],
@@ -299,100 +313,3 @@ def _weighted_mean(weighted: list[tuple[FitRes, int]], total: int) -> list[np.nd
         for acc, array in zip(out, arrays):
             acc += array.astype(np.float64) * (weight / total)
     return out
-
-
-def _round_record(
-    config: FedConfig,
-    server_round: int,
-    exchange: ExchangeLog,
-    server_metrics: dict,
-    client_eval: dict,
-    client_eps: dict[int, float],
-    heads: DraftHeads,
-    fit_seconds: float,
-    server_eval_seconds: float,
-    client_eval_seconds: float,
-    wall_seconds: float,
-) -> RoundRecord:
-    replies = exchange.client_metrics  # node -> TrainReply, checked by the guard
-    trained = {n: r for n, r in replies.items() if r.trained}
-    skipped = {n: r.skip_reason for n, r in replies.items() if r.skipped}
-    for node, reply in replies.items():
-        if reply.epsilon is not None:
-            client_eps[node] = reply.epsilon
-    chunks = {n: float(exchange.weights.get(n) or 1) for n in trained}
-    total = sum(chunks.values())
-    if trained and total > 0:
-        train_loss = sum(r.loss * chunks[n] for n, r in trained.items()) / total
-        train_acc = [
-            sum((r.head_accuracy[k] if k < len(r.head_accuracy) else 0.0) * chunks[n] for n, r in trained.items())
-            / total
-            for k in range(heads.num_heads)
-        ]
-        loss_source = "clients"
-    else:
-        train_loss, train_acc, loss_source = server_metrics["loss"], None, "server-eval (no client trained)"
-    eps_values = list(client_eps.values())
-    if not config.dp:
-        eps_max = eps_mean = math.inf
-    else:
-        eps_max = max(eps_values) if eps_values else 0.0
-        eps_mean = sum(eps_values) / len(eps_values) if eps_values else 0.0
-    sampled = len(exchange.sampled)
-    rejected_nodes = {r["node"] for r in exchange.rejected}
-    succeeded = len(replies)  # replies that reached aggregation (none when SecAgg+ aborted)
-    dropped = max(0, sampled - succeeded - len(rejected_nodes))
-    down = exchange.bytes_down
-    up = exchange.bytes_up
-    bytes_down = int(sum(down) / len(down)) if down else 0
-    bytes_up = int(sum(up) / len(up)) if up else 0
-    return RoundRecord(
-        round=server_round,
-        head_version=heads.config.version,
-        aggregated=exchange.aggregated,
-        aggregate_note=exchange.aggregate_note,
-        train_loss=float(train_loss),
-        head_accuracy=server_metrics["head_accuracy"],
-        tau=server_metrics["tau"],
-        client_head_accuracy=client_eval.get("head_accuracy"),
-        client_tau=client_eval.get("tau"),
-        loss_source=loss_source,
-        train_head_accuracy=train_acc,
-        server_eval_loss=server_metrics["loss"],
-        tau_heads_only=server_metrics.get("tau_heads_only"),
-        sampled=sampled,
-        succeeded=succeeded,
-        dropped=dropped,
-        rejected=tuple(exchange.rejected),
-        failures={str(n): r for n, r in exchange.failures.items() if n not in rejected_nodes},
-        skipped_budget={str(n): r for n, r in skipped.items()},
-        weights={str(n): w for n, w in exchange.weights.items()},
-        capped_weights={str(n): w for n, w in exchange.capped.items()},
-        client_eval=client_eval,
-        epsilon_max=eps_max,
-        epsilon_mean=eps_mean,
-        delta=config.dp_delta if config.dp else 0.0,
-        target_epsilon=config.dp_target_epsilon if config.dp else None,
-        epsilon_this_round={str(n): r.epsilon for n, r in replies.items() if r.epsilon is not None},
-        noise_multiplier=tuple(sorted({r.noise_multiplier for r in replies.values()})),
-        q=tuple(sorted({r.q for r in replies.values() if r.q > 0})),  # devices do not say theirs
-        no_amplification_clients=sum(int(r.no_amplification) for r in replies.values()),
-        bytes_down_per_client=bytes_down,
-        bytes_up_per_client=bytes_up,
-        eval_push_bytes_per_client=client_eval.get("push_bytes_per_client", 0),
-        wall_seconds=wall_seconds,
-        fit_seconds=fit_seconds,
-        server_eval_seconds=server_eval_seconds,
-        client_eval_seconds=client_eval_seconds,
-        client_train_seconds=sum(r.train_seconds for r in replies.values()),
-        update_norm=_update_norm_summary(exchange, config),
-    )
-
-
-def _update_norm_summary(exchange: ExchangeLog, config: FedConfig) -> dict[str, Any]:
-    """The round's update bound and, in plain rounds (where the server sees updates), their median and max."""
-    norms = sorted(exchange.update_norms.values())
-    summary: dict[str, Any] = {"bound": exchange.update_bound, "checked": not config.secagg}
-    if norms:
-        summary.update(median=norms[len(norms) // 2], max=norms[-1])
-    return summary

@@ -26,7 +26,13 @@ from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, Str
 
 from common.federation import user_dp
 from common.federation.config import FedConfig
-from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
+from common.federation.protocol import (
+    USER_DP_BIT_NOISE,
+    USER_DP_BIT_SCALE,
+    USER_DP_NOISE_COHORT,
+    USER_DP_NOISE_MULTIPLIER,
+    USER_DP_SAMPLE_RATE,
+)
 
 
 def plan_user_dp(config: FedConfig, sampled: int, nodes: int, num_parameters: int) -> dict:
@@ -52,13 +58,26 @@ def plan_user_dp(config: FedConfig, sampled: int, nodes: int, num_parameters: in
     }
     if config.user_dp_noise == "device":
         shares = user_dp.noise_cohort(sampled, config.secagg_max_dropout)
-        std = user_dp.share_std(z, config.update_max_norm, shares)
+        z_update = z
+        if config.adaptive_clip:  # the clip bits take a little of the noise budget (Andrew et al. 2021)
+            bit_std = user_dp.bit_noise_std(sampled)
+            z_update = user_dp.update_noise_multiplier(z, bit_std)
+        std = user_dp.share_std(z_update, config.update_max_norm, shares)
         plan.update(
             noise_cohort=shares,
+            update_noise_multiplier=z_update,
             share_std=std,
             masked_range=user_dp.masked_range(config.update_max_norm, std),
-            noise_std=z * config.update_max_norm * (sampled / shares) ** 0.5 / sampled,  # on the mean, all present
+            noise_std=z_update * config.update_max_norm * (sampled / shares) ** 0.5 / sampled,  # on the mean
         )
+        if config.adaptive_clip:
+            bit_share = bit_std / shares**0.5
+            plan.update(
+                clip_quantile=config.user_dp_clip_quantile,
+                bit_noise_std=bit_std,
+                # a centred bit (+-1/2) and its share's tail, scaled into the updates' masked range
+                bit_scale=plan["masked_range"] / (0.5 + user_dp.NOISE_TAIL_DEVIATIONS * bit_share),
+            )
     else:
         plan["noise_std"] = z * config.update_max_norm / sampled  # Flower's compute_stdv, on the mean
     return plan
@@ -66,11 +85,14 @@ def plan_user_dp(config: FedConfig, sampled: int, nodes: int, num_parameters: in
 
 def device_noise_config(plan: dict) -> dict:
     """The train-config keys a device reads to add its noise share (client/noise_share.py)."""
-    return {
-        USER_DP_NOISE_MULTIPLIER: float(plan["noise_multiplier"]),
+    keys = {
+        USER_DP_NOISE_MULTIPLIER: float(plan["update_noise_multiplier"]),
         USER_DP_NOISE_COHORT: int(plan["noise_cohort"]),
         USER_DP_SAMPLE_RATE: float(plan["sample_rate"]),
     }
+    if "bit_scale" in plan:
+        keys.update({USER_DP_BIT_NOISE: float(plan["bit_noise_std"]), USER_DP_BIT_SCALE: float(plan["bit_scale"])})
+    return keys
 
 
 def wrap_strategy(strategy: Strategy, plan: dict) -> Strategy:

@@ -22,8 +22,15 @@ from client.node_config import (
     NodeConfig,
 )
 from common.errors import FedLookaheadError
+from common.federation import user_dp
 from common.federation.config import MIN_CHUNK_LEN, FedConfig
-from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
+from common.federation.protocol import (
+    USER_DP_BIT_NOISE,
+    USER_DP_BIT_SCALE,
+    USER_DP_NOISE_COHORT,
+    USER_DP_NOISE_MULTIPLIER,
+    USER_DP_SAMPLE_RATE,
+)
 
 
 @dataclass(frozen=True)
@@ -96,15 +103,16 @@ class DeviceFloor:
         """
         if not (config.dp_level == "user" and config.user_dp_noise == "device" and config.secagg):
             return None
-        try:
-            z = float(fit_config[USER_DP_NOISE_MULTIPLIER])
-            shares = int(fit_config[USER_DP_NOISE_COHORT])
-            rate = float(fit_config[USER_DP_SAMPLE_RATE])
-        except (KeyError, TypeError, ValueError):
+        noise = UserNoise.from_fit_config(fit_config)
+        if noise is None or noise.shares < self.min_noise_cohort:
             return None
-        if not (math.isfinite(z) and z > 0 and shares >= self.min_noise_cohort and 0 < rate <= 1):
-            return None
-        return UserNoise(max(z, self.min_noise_multiplier), shares, max(rate, self.min_user_sample_rate))
+        more = max(1.0, self.min_noise_multiplier / noise.charged)  # more noise on both parts is always safe
+        return replace(
+            noise,
+            noise_multiplier=noise.noise_multiplier * more,
+            bit_noise=noise.bit_noise * more,
+            sample_rate=max(noise.sample_rate, self.min_user_sample_rate),
+        )
 
     def apply(self, config: FedConfig) -> FedConfig:
         """The run config, made no weaker than this floor (sigma's minimum is applied in train_round)."""
@@ -127,6 +135,35 @@ class UserNoise:
     """A user-level round's mechanism: noise multiplier z on the sum, the fewest shares the sum is sized for,
     and the sampling rate the accountant is charged at."""
 
-    noise_multiplier: float
+    noise_multiplier: float  # on the update's sum
     shares: int
     sample_rate: float
+    bit_noise: float = 0.0  # adaptive clipping: the noise on the sum of centred clip bits (0: a fixed clip)
+    bit_scale: float = 0.0  # and the scale the bit travels at (protocol.USER_DP_BIT_SCALE)
+
+    @property
+    def charged(self) -> float:
+        """The noise multiplier of the one Gaussian mechanism the round amounts to (what the ledger is charged)."""
+        if self.bit_noise <= 0:
+            return self.noise_multiplier
+        return user_dp.combined_noise_multiplier(self.noise_multiplier, self.bit_noise)
+
+    @classmethod
+    def from_fit_config(cls, fit_config: Mapping[str, Any]) -> UserNoise | None:
+        """The noise settings a train config asks for, or None when they are missing or malformed."""
+        try:
+            noise = cls(
+                float(fit_config[USER_DP_NOISE_MULTIPLIER]),
+                int(fit_config[USER_DP_NOISE_COHORT]),
+                float(fit_config[USER_DP_SAMPLE_RATE]),
+                float(fit_config.get(USER_DP_BIT_NOISE, 0.0)),
+                float(fit_config.get(USER_DP_BIT_SCALE, 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        values = (noise.noise_multiplier, noise.bit_noise, noise.bit_scale)
+        if not (all(math.isfinite(v) and v >= 0 for v in values) and noise.noise_multiplier > 0):
+            return None
+        if noise.shares < 1 or not 0 < noise.sample_rate <= 1 or (noise.bit_noise > 0) != (noise.bit_scale > 0):
+            return None
+        return noise

@@ -110,7 +110,7 @@ def train_round(
 
     assert state is not None
     if user is not None:  # one sampled Gaussian round on the whole user's update (its share: client/noise_share.py)
-        sigma, q = user.noise_multiplier, user.sample_rate
+        sigma, q = user.charged, user.sample_rate
         this_round = [(sigma, q, 1)]
     else:
         sigma = state.noise_multiplier or choose_noise_multiplier(config, q, steps)

@@ -80,6 +80,12 @@ class FedConfig:
     user_dp_alignment: float = _knob(
         0.1, "dp-level=user plan: root mean pairwise cosine of client updates, from public data or a prior run"
     )
+    user_dp_clip_quantile: float = _knob(
+        0.0,
+        "dp-level=user with device noise: 0: the clip is update-max-norm; in (0, 1): adaptive clipping to this "
+        "quantile of the update norms (Andrew et al. 2021), at most update-max-norm, the clip bits summed under SecAgg+",
+    )
+    user_dp_clip_lr: float = _knob(0.2, "adaptive clipping's geometric step per round")
     dp_trainable: str = _knob(
         "all",
         "head parameters trained on clients: all | fusion | blocks | lowrank (fewer coordinates under noise); "
@@ -279,6 +285,13 @@ class FedConfig:
                 "dp-level=user with user-dp-noise=device needs secagg=true: a noise share protects only inside "
                 "a secure sum (the server would see each client's update with its share alone)"
             )
+        if not 0 <= self.user_dp_clip_quantile < 1 or not self.user_dp_clip_lr > 0:
+            raise FedLookaheadError("user-dp-clip-quantile must be in [0, 1) and user-dp-clip-lr positive")
+        if self.adaptive_clip and not (self.dp and self.dp_level == "user" and self.user_dp_noise == "device"):
+            raise FedLookaheadError(
+                "user-dp-clip-quantile > 0 needs dp=true, dp-level=user and user-dp-noise=device: the clip bits are "
+                "private too, and only the devices' noise shares under SecAgg+ keep them out of the server's sight"
+            )
         if not 0 < self.user_dp_alignment <= 1:
             raise FedLookaheadError(f"user-dp-alignment must be in (0, 1], got {self.user_dp_alignment}")
         if not self.server_lr > 0 or not 0 <= self.server_momentum < 1:
@@ -307,6 +320,11 @@ class FedConfig:
                 raise FedLookaheadError(f"secagg-max-dropout must be in [0, 1), got {self.secagg_max_dropout}")
         if self.heads_codec not in HEADS_CODECS:
             raise FedLookaheadError(f"unknown heads-codec {self.heads_codec!r}: use one of {HEADS_CODECS}")
+
+    @property
+    def adaptive_clip(self) -> bool:
+        """Whether the user-level clip follows a quantile of the update norms (user-dp-clip-quantile > 0)."""
+        return self.user_dp_clip_quantile > 0
 
     def clients_this_round(self, available: int) -> int:
         """How many clients a round samples out of `available` (never fewer than min-train-clients)."""

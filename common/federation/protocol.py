@@ -29,6 +29,11 @@ HEADS_CODEC = "heads-codec"  # train config: how fitins.parameters are encoded (
 USER_DP_NOISE_MULTIPLIER = "user-dp-noise-multiplier"
 USER_DP_NOISE_COHORT = "user-dp-noise-cohort"
 USER_DP_SAMPLE_RATE = "user-dp-sample-rate"
+# ... and under adaptive clipping (user-dp-clip-quantile > 0): the noise on the sum of centred clip bits, and the
+# scale that fits a bit and its noise share into SecAgg+'s range (the bit travels as the update's last array)
+USER_DP_BIT_NOISE = "user-dp-bit-noise"
+USER_DP_BIT_SCALE = "user-dp-bit-scale"
+CLIP_BIT_SHAPE = ("clip-bit", (1,))  # its (name, shape) after the heads' in the masked vector
 PUBLIC_PRECONDITIONER = "public-preconditioner"  # train config, client-optimizer=public-sgd: Preconditioner.to_bytes
 BAD_SHARE_SOURCES = "fedla-bad-share-sources"  # SecAgg+ collect reply: peers whose key shares did not decrypt
 EVALUATE = "evaluate"  # evaluate config: measure the heads on held-out chunks (false: a push, only keep them)

@@ -40,6 +40,10 @@ NOISE_TAIL_DEVIATIONS = 8.0
 # probe that issue 28 reports: ~0.03 gained nothing, ~0.06 kept most of the non-private gain, >= 0.2 all of it.
 NO_GAIN_SNR = 0.05
 FULL_GAIN_SNR = 0.2
+# what "no gain" and "keeps the gain" mean when a benchmark checks the forecast: the share of the
+# non-private gain in heads-only tau a DP run kept
+NO_GAIN_SHARE = 0.25
+FULL_GAIN_SHARE = 0.9
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,6 +87,35 @@ def masked_range(clip: float, std: float) -> float:
     return clip + NOISE_TAIL_DEVIATIONS * std
 
 
+# Adaptive quantile clipping (Andrew et al. 2021): each client also sends its clip bit, centred (b - 1/2, so one
+# user moves the bit sum by at most 1/2), noised on the sum with deviation cohort / BIT_NOISE_DIVISOR, their
+# recommendation; the update's noise multiplier is raised so that the pair is one Gaussian mechanism of z.
+BIT_NOISE_DIVISOR = 20.0
+
+
+def bit_noise_std(cohort: int) -> float:
+    """Deviation of the noise on a round's sum of centred clip bits."""
+    return cohort / BIT_NOISE_DIVISOR
+
+
+def update_noise_multiplier(z: float, bit_std: float) -> float:
+    """The update's noise multiplier when the clip bits carry noise `bit_std`: z_update^-2 + (2 bit_std)^-2 = z^-2."""
+    if not 2 * bit_std > z:
+        raise ValueError(f"the clip bits' noise {bit_std:g} is too small for a total noise multiplier of {z:g}")
+    return (z**-2 - (2 * bit_std) ** -2) ** -0.5
+
+
+def combined_noise_multiplier(z_update: float, bit_std: float) -> float:
+    """The one Gaussian mechanism's z that an update noised at `z_update` and bits noised at `bit_std` amount to."""
+    return (z_update**-2 + (2 * bit_std) ** -2) ** -0.5
+
+
+def next_clip(clip: float, bit_mean: float, quantile: float, lr: float, cap: float) -> float:
+    """The geometric update of the clip towards the `quantile` of the update norms (`bit_mean`: the noised share
+    of clients that were not clipped), never above `cap` (what SecAgg+'s range and the guard are sized for)."""
+    return min(cap, clip * math.exp(-lr * (bit_mean - quantile)))
+
+
 def signal_to_noise(cohort: int, z: float, num_parameters: int, alignment: float) -> float:
     """Per-round signal-to-noise of the noised mean update. The mean of `cohort` clipped updates has a
     population part of norm ~ alignment * C (alignment: the norm of the mean of many clients' unit
@@ -93,16 +126,27 @@ def signal_to_noise(cohort: int, z: float, num_parameters: int, alignment: float
     return alignment * cohort / (z * math.sqrt(max(1, num_parameters)))
 
 
+def expected_outcome(snr: float) -> str:
+    """What the forecast expects of a run at this signal-to-noise: "none" | "part" | "full" of the gain."""
+    return "none" if snr < NO_GAIN_SNR else "part" if snr < FULL_GAIN_SNR else "full"
+
+
+def outcome_of(kept_share: float) -> str:
+    """The same three classes for a measured run, from the share of the non-private gain it kept."""
+    return "none" if not kept_share >= NO_GAIN_SHARE else "part" if kept_share < FULL_GAIN_SHARE else "full"
+
+
 def verdict(snr: float, cohort: int, population: int) -> str:
     """The plan's one line: whether user-level DP at this signal-to-noise is likely to keep the gain."""
     ratio = 1.0 / snr if snr > 0 else math.inf
-    if snr < NO_GAIN_SNR:
+    expected = expected_outcome(snr)
+    if expected == "none":
         grow = "grow the cohort" if cohort < population else "grow the population (and the cohort with it)"
         return (
             f"at these settings the noise is {ratio:.0f}x the signal each round (signal-to-noise {snr:.3f} < "
             f"{NO_GAIN_SNR}): these heads will not improve; {grow}, or spend a larger epsilon"
         )
-    if snr < FULL_GAIN_SNR:
+    if expected == "part":
         return (
             f"at these settings the noise is {ratio:.1f}x the signal each round (signal-to-noise {snr:.3f}): "
             f"DP is likely to keep part of the gain; a cohort {math.ceil(FULL_GAIN_SNR / snr)}x larger should keep all of it"
