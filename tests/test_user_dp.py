@@ -18,13 +18,20 @@ from opacus.accountants import RDPAccountant
 
 from client.client_app import train_handler
 from client.node_config import MIN_NOISE_COHORT_KEY, NUM_PARTITIONS_KEY, PARTITION_ID_KEY, STATE_DIR_KEY
-from client.noise_share import SHARE_STATE, noise_share_added, set_share
+from client.noise_share import SHARE_STATE, noise_share_added, set_clip_bit, set_share, wants_clip_bit
+from client.training.floor import DeviceFloor, UserNoise
 from client.training.ledger import load_ledger
 from common.data.chunks import stdlib_dir
 from common.errors import FedLookaheadError
 from common.federation import user_dp
 from common.federation.config import FedConfig
-from common.federation.protocol import USER_DP_NOISE_COHORT, USER_DP_NOISE_MULTIPLIER, USER_DP_SAMPLE_RATE
+from common.federation.protocol import (
+    USER_DP_BIT_NOISE,
+    USER_DP_BIT_SCALE,
+    USER_DP_NOISE_COHORT,
+    USER_DP_NOISE_MULTIPLIER,
+    USER_DP_SAMPLE_RATE,
+)
 from common.federation.records import heads_config_dict, heads_to_ndarrays
 from common.heads.lookahead import DraftHeads
 from server.federation import check_federation, privacy_plan
@@ -167,3 +174,100 @@ def test_the_simulation_runner_prints_the_verdict_once_the_server_has_planned(tm
     announcer.join(timeout=5)
     assert not announcer.is_alive()
     assert capsys.readouterr().out == f"privacy plan: {line}\n"
+
+
+def test_adaptive_clipping_splits_one_gaussian_mechanism_between_the_update_and_the_bits():
+    z, bit_std = 1.2, user_dp.bit_noise_std(256)
+    z_update = user_dp.update_noise_multiplier(z, bit_std)
+    assert z_update > z and user_dp.combined_noise_multiplier(z_update, bit_std) == pytest.approx(z)
+    with pytest.raises(ValueError, match="too small"):
+        user_dp.update_noise_multiplier(2.0, 0.5)
+    assert user_dp.next_clip(0.4, 0.8, 0.5, 0.2, 1.0) < 0.4 < user_dp.next_clip(0.4, 0.2, 0.5, 0.2, 1.0)
+    assert user_dp.next_clip(0.99, 0.0, 0.5, 0.2, 1.0) == 1.0  # never above the cap SecAgg+ is sized for
+
+
+def test_a_clip_bit_travels_centred_scaled_and_after_the_heads():
+    """The clip mod records whether the update was within the clip; the share mod appends the centred bit
+    times its scale (noise 0 here, to read it exactly) as one more array, after the noised heads."""
+    heads = [np.zeros(3, np.float32)]
+    for within, expected in ((True, 0.5), (False, -0.5)):
+        ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+        def handler(msg, context, within=within):
+            set_share(context, 1e-9, bit_std=0.0, bit_scale=2.0)
+            assert wants_clip_bit(context)
+            set_clip_bit(context, within)
+            res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(heads), 1, {})
+            return Message(compat.fitres_to_recorddict(res, keep_input=False), reply_to=msg)
+
+        msg = Message(
+            compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(heads), {}), keep_input=False),
+            dst_node_id=1,
+            message_type=MessageType.TRAIN,
+        )
+        reply = noise_share_added(msg, ctx, handler)
+        arrays = parameters_to_ndarrays(compat.recorddict_to_fitres(reply.content, keep_input=True).parameters)
+        assert len(arrays) == 2 and arrays[1].shape == (1,) and arrays[1][0] == pytest.approx(2.0 * expected)
+
+
+def test_a_device_charges_the_combined_mechanism_and_raises_both_noises_to_its_floor(tmp_path):
+    fit_config = {
+        USER_DP_NOISE_MULTIPLIER: 0.3,
+        USER_DP_NOISE_COHORT: 128,
+        USER_DP_SAMPLE_RATE: 0.01,
+        USER_DP_BIT_NOISE: 6.4,
+        USER_DP_BIT_SCALE: 0.05,
+    }
+    noise = UserNoise.from_fit_config(fit_config)
+    assert noise.charged == pytest.approx(user_dp.combined_noise_multiplier(0.3, 6.4))
+    assert UserNoise.from_fit_config({**fit_config, USER_DP_BIT_SCALE: 0.0}) is None  # a bit needs both
+    floor = DeviceFloor.from_node_config({STATE_DIR_KEY: str(tmp_path), MIN_NOISE_COHORT_KEY: 64})
+    config = FedConfig.from_mapping({"dp-level": "user", "update-max-norm": 0.1})
+    taken = floor.user_level(config, fit_config)
+    assert taken.charged == pytest.approx(max(noise.charged, floor.min_noise_multiplier))
+    assert taken.bit_noise / taken.noise_multiplier == pytest.approx(6.4 / 0.3)  # both raised alike
+    assert taken.sample_rate == 1.0  # the claimed population is not taken on trust
+
+
+def test_adaptive_clipping_moves_the_clip_from_the_secure_sum_of_bits(tiny_base_dir, tmp_path, one_thread):
+    """Through the ServerApp and ClientApp under SecAgg+ with the devices' shares: the plan splits the noise,
+    round 1 clips at update-max-norm, and round 2's clip is the geometric step from round 1's noised bits."""
+    from client.client_app import app
+    from server.federation import run_federation
+    from simulations.inprocess import InProcessGrid
+
+    nodes, cap = 8, 0.05
+    run_config = {
+        "base-model-dir": str(tiny_base_dir),
+        "data-source": str(stdlib_dir() / "json"),
+        "num-server-rounds": 2,
+        "chunk-len": 32,
+        "max-chunks-per-client": 8,
+        "num-heads": 2,
+        "batch-size": 4,
+        "lr": 0.01,
+        "min-train-clients": nodes,
+        "min-available-clients": nodes,
+        "node-wait-seconds": 0.0,
+        "server-eval-chunks": 0,
+        "eval-prompts": 1,
+        "eval-max-new-tokens": 0,
+        "fraction-evaluate": 0.0,
+        "run-dir": str(tmp_path / "runs"),
+        "init-heads": "fresh",
+        "dp-level": "user",
+        "dp-noise-multiplier": 0.5,
+        "update-max-norm": cap,
+        "user-dp-clip-quantile": 0.5,
+    }
+    grid = InProcessGrid(app, nodes, run_config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    run_dir = run_federation(grid, context, FedConfig.from_mapping(run_config))
+    plan = json.loads((run_dir / "run.json").read_text())["plan"]["user_dp"]
+    assert plan["bit_noise_std"] == pytest.approx(nodes / 20)
+    assert plan["update_noise_multiplier"] == pytest.approx(user_dp.update_noise_multiplier(0.5, nodes / 20))
+    rounds = [json.loads((run_dir / "rounds" / f"round-{r}.json").read_text()) for r in (1, 2)]
+    assert all(r["aggregated"] for r in rounds)
+    first, second = (r["update_norm"] for r in rounds)
+    assert first["bound"] == cap
+    assert second["bound"] == pytest.approx(user_dp.next_clip(cap, first["within_clip"], 0.5, 0.2, cap))
