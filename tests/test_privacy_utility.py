@@ -32,6 +32,7 @@ from client.training.dp import PrivacyState
 from client.training.local_round import train_round
 from common.data.chunks import stdlib_dir
 from common.data.features import base_features
+from common.federation import user_dp
 from common.federation.config import FedConfig
 from common.federation.records import heads_to_ndarrays
 from common.federation.user_dp import epsilon_after, noise_multiplier
@@ -49,8 +50,42 @@ from simulations.privacy_utility.tau import chain_acceptance  # noqa: E402
 @pytest.fixture(scope="module")
 def quick_result(tiny_base_dir, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("privacy-utility") / "out.json"
+    assert main(["--packages", "--quick", "--base", str(tiny_base_dir), "--json", str(out)]) == 0
+    return json.loads(out.read_text()), out
+
+
+@pytest.fixture(scope="module")
+def grid_result(tiny_base_dir, tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("privacy-utility-grid") / "out.json"
     assert main(["--quick", "--base", str(tiny_base_dir), "--json", str(out)]) == 0
     return json.loads(out.read_text()), out
+
+
+def test_the_population_grid_writes_the_issue_json_labels_emulated_points_and_checks_the_verdict(grid_result):
+    """Issue 28's shape: user_dp[eps][cohort][population] with z and the emulated label (a cohort beyond the
+    real clients that give the signal, or a population beyond the real one), the forecast beside the
+    outcome at every point, the true run through the apps against its emulated seeds, and the plot."""
+    result, out = grid_result
+    assert result["population_real"] == 24 and result["rounds"] == 2
+    check_entry(result["public_only"], heads=2)
+    check_entry(result["federated_nodp"], heads=2)
+    points = result["user_dp"]["8"]
+    assert set(points) == {"4", "8"} and set(points["4"]) == {"24", "100000"}
+    assert points["4"]["24"]["emulated"] is False  # 4 real clients give a cohort of 4 its whole signal
+    assert points["8"]["24"]["emulated"] is True and points["4"]["100000"]["emulated"] is True
+    for cohort, population in (("4", "24"), ("8", "100000")):
+        entry = points[cohort][population]
+        check_entry(entry, heads=2)
+        z = user_dp.noise_multiplier(8.0, 1 / int(population), int(cohort) / int(population), 2)
+        assert entry["noise_multiplier"] == pytest.approx(z, rel=1e-4)
+        assert entry["forecast"] == user_dp.expected_outcome(entry["signal_to_noise"])
+        assert entry["verdict_agrees"] == (entry["forecast"] == entry["outcome"])
+    true = result["true_run"]
+    assert true["cohort"] == 8 and len(true["emulated_seeds"]) == 2
+    assert true["noise_multiplier"] == pytest.approx(true["emulated_noise_multiplier"], rel=1e-3)  # one accounting
+    check_entry({"tau_heads_only": true["tau_heads_only"], "acc": true["acc"]}, heads=2)
+    assert "8" in result["example_dp"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
 
 
 def check_entry(entry: dict, heads: int = 4) -> None:

@@ -1,8 +1,12 @@
-"""Privacy-utility benchmark (issue 12): does federated DP fine-tuning beat public-only heads on the
-clients' own code, and at what epsilon?
+"""Privacy-utility benchmark: does federated DP fine-tuning beat public-only heads on the clients' own code,
+and at what epsilon?
 
-    python -m simulations.privacy_utility --json out.json --public-heads heads/public
-    python -m simulations.privacy_utility --quick --base TINY_DIR --json out.json   # end-to-end check, tiny
+    python -m simulations.privacy_utility --json out.json      # user-level DP at population scale (issue 28)
+    python -m simulations.privacy_utility --packages --json out.json --public-heads heads/public   # issue 12
+
+The default is the population grid (simulations/privacy_utility/population_grid.py: user-level DP over
+eps x cohort x population on 2,000 real users, emulated points labelled, one true run through the apps).
+`--packages` is the earlier benchmark (issue 12), described below:
 
 The scenario (simulations/scenarios/privacy-utility.toml describes the same settings for `simulations.run`):
 
@@ -52,6 +56,7 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick", action="store_true", help="tiny scale: an end-to-end check in under a minute on a tiny base"
     )
+    parser.add_argument(
+        "--packages",
+        action="store_true",
+        help="the earlier benchmark (issue 12): 4 package clients, example-level DP-SGD and its tricks",
+    )
+    parser.add_argument("--signal-clients", type=int, default=0, help="grid: real clients per round (the signal)")
+    parser.add_argument("--skip-true-run", action="store_true", help="grid: leave out the true run through the apps")
     parser.add_argument("--clients", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--max-chunks-per-client", type=int, default=0)
@@ -156,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     logging.getLogger("flwr").setLevel(logging.WARNING)
+    if not args.packages:
+        return population_main(args)
     session = Session.open(chosen_scale(args), args.json, args.base, args.public_heads, args.threads)
 
     heads_for_validation = {"public_only": references(session)}
@@ -174,6 +188,31 @@ def main(argv: list[str] | None = None) -> int:
     out_json = session.out_json
     log(f"wrote {out_json} and {out_json.with_suffix('.png')} in {time.perf_counter() - session.started:.0f}s")
     print(table(json.loads(out_json.read_text())))
+    return 0
+
+
+def population_main(args: argparse.Namespace) -> int:
+    """The population grid (issue 28): JSON after every point, the plot and the table at the end."""
+    from simulations.privacy_utility import population_grid as pg
+    from simulations.privacy_utility.grid_report import grid_table, plot_grid
+    from simulations.privacy_utility.grid_run import run_grid
+    from simulations.privacy_utility.results import round_floats
+
+    grid = pg.QUICK if args.quick else pg.Grid()
+    overrides = {"base": args.base, "rounds": args.rounds, "signal_clients": args.signal_clients}
+    grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v})
+    if args.skip_true_run:
+        grid = dataclasses.replace(grid, true_run_rounds=0)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(result: dict) -> None:
+        out.write_text(json.dumps(round_floats(result), indent=1) + "\n")
+
+    result = run_grid(grid, save)
+    plot_grid(result, out.with_suffix(".png"))
+    print(grid_table(result))
+    log(f"wrote {out} and {out.with_suffix('.png')} in {result['timings']['total']:.0f}s")
     return 0
 
 
