@@ -164,14 +164,25 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
         mean = parameters_to_ndarrays(new)
         if ctx.update_scale is not None:  # public-sgd clients sent their updates in the scaled coordinates
             mean = unwhitened(current, mean, ctx.update_scale)
-        load_ndarrays(heads, ctx.optimizer.step(current, mean))  # issue 12
-        if config.adaptive_clip and exchange.clip_bit_mean is not None:  # the noised share not clipped, uncentred
+        stepped = ctx.optimizer.checked_step(current, mean, config.secagg_clipping_range)  # issue 12
+        if stepped is None:
+            exchange.aggregated = False
+            exchange.aggregate_note = (
+                f"server step rejected: it would take the heads past +-{config.secagg_clipping_range:g} or to "
+                "NaN/Inf (noise carried by the server's momentum)"
+            )
+        else:
+            load_ndarrays(heads, stepped)
+        if (
+            stepped is not None and config.adaptive_clip and exchange.clip_bit_mean is not None
+        ):  # the noised share not clipped, uncentred
             within = exchange.clip_bit_mean / ctx.user_dp["bit_scale"] + 0.5
             ctx.clip = next_clip(
                 ctx.clip, within, config.user_dp_clip_quantile, config.user_dp_clip_lr, config.update_max_norm
             )
             exchange.clip_bit_mean = within
-        heads.config.version = server_round
+        if stepped is not None:
+            heads.config.version = server_round
     elif not exchange.aggregate_note:
         exchange.aggregate_note = (
             "SecAgg+ aborted: too few clients answered for the reconstruction threshold"

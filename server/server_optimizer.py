@@ -55,6 +55,16 @@ class ServerOptimizer:
             out.append((np.asarray(x, np.float64) + self.lr * update).astype(np.float32))
         return out
 
+    def checked_step(self, current: list[np.ndarray], mean: list[np.ndarray], bound: float) -> list[np.ndarray] | None:
+        """`step`, or None (its state left as it was) when the new heads would not be finite within +-`bound`:
+        momentum over noised means can carry the heads past where the clients would accept them."""
+        saved = ([m.copy() for m in self.m], [v.copy() for v in self.v])
+        new = self.step(current, mean)
+        if all(np.all(np.isfinite(a)) and float(np.max(np.abs(a), initial=0.0)) <= bound for a in new):
+            return new
+        self.m, self.v = saved
+        return None
+
 
 def from_config(config) -> ServerOptimizer:
     """The optimiser a run config asks for (`server-optimizer`, `server-lr`, `server-momentum`)."""

@@ -16,6 +16,9 @@ What each level guarantees, and whom it trusts:
     the server only ever unmasks a noised sum. What stays trusted: common/federation/user_dp.py.
   - `user-dp-noise = "server"`: Flower's `DifferentialPrivacyClientSideFixedClipping` adds the noise after
     unmasking, so the guarantee does not hold against the server, which sees the noiseless sum.
+  With `user-dp-clip-quantile > 0` (device noise only) the clip adapts to that quantile of the update norms
+  (Andrew et al. 2021): each client's centred clip bit travels noised inside its masked vector, the plan
+  splits z between the update and the bits, and server/rounds.py steps the clip from their secure mean.
   A device enforcing its own floor never takes server noise: it adds its own share, at its own floor's
   cohort and sampling rate, or falls back to its example-level DP-SGD (client/training/floor.py).
 """

@@ -369,3 +369,15 @@ def test_a_large_expected_batch_is_taken_in_physical_pieces(tiny_base, one_threa
     result = train_round(heads, features, config, state)
     assert result.steps == 2 and [steps for _, _, steps in state.history] == [2]
     assert len(forwards) > 2  # the two logical batches of ~16 chunks ran as pieces of at most 4
+
+
+def test_a_server_step_that_would_leave_the_clients_range_is_refused_and_forgotten():
+    """Momentum over noised means can carry the heads to NaN or past the range clients accept: the step is
+    refused and the optimizer's state left as it was, so the next round starts from the kept heads."""
+    current = [np.zeros(3, np.float32)]
+    optimizer = ServerOptimizer("fedavgm", lr=1.0, momentum=0.9)
+    assert optimizer.checked_step(current, [np.full(3, 0.5, np.float32)], bound=8.0) is not None
+    kept = [m.copy() for m in optimizer.m]
+    assert optimizer.checked_step(current, [np.full(3, 20.0, np.float32)], bound=8.0) is None
+    assert optimizer.checked_step(current, [np.array([0.0, np.nan, 0.0], np.float32)], bound=8.0) is None
+    assert all(np.array_equal(a, b) for a, b in zip(optimizer.m, kept))

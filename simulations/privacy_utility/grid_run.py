@@ -98,8 +98,14 @@ def run_grid(grid: Grid, save) -> dict[str, Any]:  # noqa: ANN001 - save(result)
 
     def federated(noise_std: float, seed: int, desc: str, rounds: int = grid.rounds) -> dict[str, Any]:
         t = time.perf_counter()
-        heads = federate(public, users, config, public_sgd, scale, rounds, grid.signal_clients, noise_std, seed, desc)
-        return {**chain_acceptance(heads, users.heldout), "seconds": time.perf_counter() - t}
+        heads, rejected = federate(
+            public, users, config, public_sgd, scale, rounds, grid.signal_clients, noise_std, seed, desc
+        )
+        return {
+            **chain_acceptance(heads, users.heldout),
+            "rejected_steps": rejected,
+            "seconds": time.perf_counter() - t,
+        }
 
     result["public_only"] = chain_acceptance(public, users.heldout)
     result["federated_nodp"] = federated(0.0, 0, "non-private")
@@ -128,7 +134,7 @@ def run_grid(grid: Grid, save) -> dict[str, Any]:  # noqa: ANN001 - save(result)
         result["true_run"] = checked_true_run(grid, config_map, config, base, users, federated)
         save(result)
     t = time.perf_counter()
-    example = federate(
+    example, rejected = federate(
         public,
         users,
         config,
@@ -141,7 +147,11 @@ def run_grid(grid: Grid, save) -> dict[str, Any]:  # noqa: ANN001 - save(result)
         f"example-level DP-SGD eps {grid.example_epsilon:g}",
     )
     result["example_dp"] = {
-        f"{grid.example_epsilon:g}": {**chain_acceptance(example, users.heldout), "seconds": time.perf_counter() - t}
+        f"{grid.example_epsilon:g}": {
+            **chain_acceptance(example, users.heldout),
+            "rejected_steps": rejected,
+            "seconds": time.perf_counter() - t,
+        }
     }
     result["verdict_agrees_everywhere"] = all(
         entry["verdict_agrees"]
