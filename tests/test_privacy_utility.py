@@ -381,3 +381,21 @@ def test_a_server_step_that_would_leave_the_clients_range_is_refused_and_forgott
     assert optimizer.checked_step(current, [np.full(3, 20.0, np.float32)], bound=8.0) is None
     assert optimizer.checked_step(current, [np.array([0.0, np.nan, 0.0], np.float32)], bound=8.0) is None
     assert all(np.array_equal(a, b) for a, b in zip(optimizer.m, kept))
+
+
+def test_the_grid_leaves_a_declining_client_out_of_the_mean(tiny_base, one_thread):
+    """A client that declines (its budget) has weight 0 in the ServerApp: the grid's emulation leaves it out,
+    and a round where every client declines keeps the heads."""
+    from common.federation.records import heads_to_ndarrays as arrays_of
+    from simulations.privacy_utility.population_grid import Users, federate
+
+    chunks = base_features(tiny_base, torch.randint(0, 200, (4, 16)))
+    users = Users([chunks.subset(slice(i, i + 1)) for i in range(4)], chunks)
+    config = FedConfig.from_mapping({"dp": False, "update-max-norm": 0.5, "server-optimizer": "fedavgm"})
+    start = DraftHeads.fresh(tiny_base, 2)
+
+    def decline(heads, user):
+        return False
+
+    heads, refused = federate(start, users, config, decline, None, 2, 2, 0.0, 0, "declined")
+    assert refused == 0 and all(np.array_equal(a, b) for a, b in zip(arrays_of(heads), arrays_of(start)))

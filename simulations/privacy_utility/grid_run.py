@@ -93,8 +93,9 @@ def run_grid(grid: Grid, save) -> dict[str, Any]:  # noqa: ANN001 - save(result)
         "timings": timings,
     }
 
-    def public_sgd(heads: DraftHeads, user: int) -> None:
+    def public_sgd(heads: DraftHeads, user: int) -> bool:
         train_plainly(heads, users.train[user], config, preconditioner)
+        return True
 
     def federated(noise_std: float, seed: int, desc: str, rounds: int = grid.rounds) -> dict[str, Any]:
         t = time.perf_counter()

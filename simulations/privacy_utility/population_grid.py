@@ -134,7 +134,7 @@ def federate(
     start: DraftHeads,
     users: Users,
     config: FedConfig,
-    client_step: Callable[[DraftHeads, int], None],
+    client_step: Callable[[DraftHeads, int], bool],
     scale: list[np.ndarray] | None,
     rounds: int,
     signal_clients: int,
@@ -143,7 +143,7 @@ def federate(
     desc: str,
 ) -> tuple[DraftHeads, int]:
     """`rounds` of the emulated DP-FedAvg of the module docstring, and how many of its steps the server rejected; `client_step(heads, user)` trains a sampled
-    user's copy in place, its update clipped and noised in the coordinates `scale` gives (public-sgd's,
+    user's copy in place (False: it declined), its update clipped and noised in the coordinates `scale` gives (public-sgd's,
     common/training/preconditioner.py; None: the heads' own); `noise_std` 0: non-private."""
     heads, work = copy.deepcopy(start), copy.deepcopy(start)
     server = ServerOptimizer("fedavgm", config.server_lr, config.server_momentum)
@@ -151,16 +151,20 @@ def federate(
     rejected = 0
     for _ in tqdm(range(rounds), desc=desc, unit="round", leave=False):
         current = heads_to_ndarrays(heads)
-        total = [np.zeros_like(a) for a in current]
+        total, trained = [np.zeros_like(a) for a in current], 0
         for user in rng.choice(len(users.train), size=signal_clients, replace=False):
             load_ndarrays(work, current)
-            client_step(work, int(user))
+            if not client_step(work, int(user)):  # it declined (its budget): weight 0, as in the ServerApp
+                continue
+            trained += 1
             new = heads_to_ndarrays(work)
             if scale is not None:
                 new = whitened(current, new, scale)
             compute_clip_model_update(new, current, config.update_max_norm)
             total = [t + n - c for t, n, c in zip(total, new, current)]
-        mean = [c + t / signal_clients for c, t in zip(current, total)]
+        if not trained:
+            continue
+        mean = [c + t / trained for c, t in zip(current, total)]
         if noise_std > 0:
             mean = [m + rng.normal(0.0, noise_std, size=m.shape).astype(np.float32) for m in mean]
         if scale is not None:
@@ -185,7 +189,7 @@ def grid_point(
     return z, delta, user_dp.share_std(z, config.update_max_norm, shares) * math.sqrt(cohort) / cohort
 
 
-def example_level_step(grid: Grid, config_map: dict[str, Any], users: Users) -> Callable[[DraftHeads, int], None]:
+def example_level_step(grid: Grid, config_map: dict[str, Any], users: Users) -> Callable[[DraftHeads, int], bool]:
     """A sampled user's round of example-level Opacus DP-SGD (today's device floor): AdamW, each chunk a
     privacy unit, its accountant kept across the rounds it joins, calibrated to the grid's example epsilon."""
     from client.training.dp import PrivacyState
@@ -206,7 +210,8 @@ def example_level_step(grid: Grid, config_map: dict[str, Any], users: Users) -> 
     )
     states: dict[int, PrivacyState] = {}
 
-    def step(heads: DraftHeads, user: int) -> None:
-        train_round(heads, users.train[user], config, states.setdefault(user, PrivacyState(f"example-dp-user-{user}")))
+    def step(heads: DraftHeads, user: int) -> bool:
+        state = states.setdefault(user, PrivacyState(f"example-dp-user-{user}"))
+        return not train_round(heads, users.train[user], config, state).skipped
 
     return step
