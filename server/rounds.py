@@ -42,7 +42,6 @@ from common.federation.records import (
     validate_update,
     wire_shapes,
 )
-from common.federation.user_dp import next_clip
 from common.federation.wire import decode_update, encode_heads
 from common.heads.lookahead import DraftHeads
 from common.model.base import BaseModel
@@ -173,10 +172,12 @@ def _fit(ctx: RoundContext, guarded: GuardedGrid, heads: DraftHeads, server_roun
             )
         else:
             load_ndarrays(heads, stepped)
-        if (
-            stepped is not None and config.adaptive_clip and exchange.clip_bit_mean is not None
-        ):  # the noised share not clipped, uncentred
-            within = exchange.clip_bit_mean / ctx.user_dp["bit_scale"] + 0.5
+        if stepped is not None and config.adaptive_clip and exchange.clip_bit_mean is not None:
+            from common.federation.user_dp import next_clip  # opacus configures the root logger when imported
+
+            within = (
+                exchange.clip_bit_mean / ctx.user_dp["bit_scale"] + 0.5
+            )  # the noised share within the clip = exchange.clip_bit_mean / ctx.user_dp["bit_scale"] + 0.5
             ctx.clip = next_clip(
                 ctx.clip, within, config.user_dp_clip_quantile, config.user_dp_clip_lr, config.update_max_norm
             )
