@@ -27,7 +27,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
-import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.client.mod import fixedclipping_mod, secaggplus_mod
@@ -119,7 +118,7 @@ def fixedclipping_when_asked(msg: Message, context: Context, call_next):
     """Flower's `fixedclipping_mod` when the server sent a clipping norm (every FedLookahead round does: the
     update bound, server/guard.py, which is also the dp-level=user clip); inside SecAgg+, so the update is
     clipped before it is masked."""
-    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, get_norm
 
     if (
         msg.metadata.message_type != MessageType.TRAIN
@@ -135,7 +134,7 @@ def fixedclipping_when_asked(msg: Message, context: Context, call_next):
             fitins = compat.recorddict_to_fitins(inner_msg.content, keep_input=True)
             fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
             pairs = zip(parameters_to_ndarrays(fitres.parameters), parameters_to_ndarrays(fitins.parameters))
-            norm = float(np.sqrt(sum(float(np.sum((new - old) ** 2)) for new, old in pairs)))
+            norm = get_norm([new - old for new, old in pairs])  # the norm Flower's clip measures
             set_clip_bit(inner_context, norm <= float(fitins.config[KEY_CLIPPING_NORM]))
         return reply
 
@@ -227,7 +226,7 @@ def train_handler(fit_config: dict, arrays: list, context: Context) -> FitRes:
     if preconditioner is not None and not result.skipped:  # clipped, noised and masked in the scaled coordinates
         from common.training.preconditioner import whitened
 
-        sent = whitened(arrays, sent, preconditioner.update_scale([name for name, _ in wire_shapes(heads)]))
+        sent = whitened(arrays, sent, preconditioner.update_scale())
     bound = config.secagg_clipping_range if config.secagg else None
     reason = validate_update(sent, wire_shapes(heads), bound)
     if reason:  # never send something the secure sum would silently clip or that would poison it

@@ -24,7 +24,7 @@ from flwr.serverapp.grid import Grid
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.protocol import PUBLIC_PRECONDITIONER
-from common.federation.records import heads_to_ndarrays, wire_shapes
+from common.federation.records import heads_to_ndarrays
 from common.federation.wire import secagg_plan
 from common.heads.draft_vocab import public_draft_vocab
 from common.heads.lookahead import DraftHeads
@@ -187,7 +187,7 @@ def _preconditioner(config: FedConfig, base: BaseModel, heads: DraftHeads) -> tu
     started = time.perf_counter()
     blob = stdlib_preconditioner(heads, base, config.chunk_len, config.seed).to_bytes()
     log.info("public preconditioner: %d bytes in %.1f s", len(blob), time.perf_counter() - started)
-    scale = Preconditioner.from_bytes(blob, heads).update_scale([name for name, _ in wire_shapes(heads)])
+    scale = Preconditioner.from_bytes(blob, heads).update_scale()
     return blob, scale
 
 

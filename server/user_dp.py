@@ -71,7 +71,7 @@ def plan_user_dp(config: FedConfig, sampled: int, nodes: int, num_parameters: in
             update_noise_multiplier=z_update,
             share_std=std,
             masked_range=user_dp.masked_range(config.update_max_norm, std),
-            noise_std=z_update * config.update_max_norm * (sampled / shares) ** 0.5 / sampled,  # on the mean
+            noise_std=user_dp.mean_noise_std(z_update, config.update_max_norm, sampled, shares),
         )
         if config.adaptive_clip:
             bit_share = bit_std / shares**0.5

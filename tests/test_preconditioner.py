@@ -17,7 +17,7 @@ from common.data.features import base_features
 from common.errors import FedLookaheadError
 from common.federation.config import FedConfig
 from common.federation.protocol import PUBLIC_PRECONDITIONER
-from common.federation.records import heads_config_dict, heads_to_ndarrays
+from common.federation.records import heads_config_dict, heads_to_ndarrays, wire_shapes
 from common.heads.lookahead import DraftHeads
 from common.training.preconditioner import (
     PreconditionedSGD,
@@ -58,9 +58,10 @@ def test_updates_travel_in_the_scaled_coordinates_and_come_back_exactly(tiny_bas
     heads = DraftHeads.fresh(tiny_base, 2)
     pre = public_preconditioner(heads, public, batches=8)
     names = [name for name, _ in heads.named_parameters()]
-    scale = pre.update_scale(names)
+    scale = pre.update_scale()
+    assert [s.shape for s in scale] == [shape for _, shape in wire_shapes(heads)]  # the wire order
     louder = Preconditioner({n: tuple(f * 50 for f in fs) for n, fs in pre.factors.items()}, pre.floor * 50**0.5)
-    assert all(np.allclose(a, b, rtol=1e-5) for a, b in zip(scale, louder.update_scale(names)))
+    assert all(np.allclose(a, b, rtol=1e-5) for a, b in zip(scale, louder.update_scale()))
     rms = np.concatenate([pre.denominators()[n].numpy().ravel() for n in names])
     flat = np.concatenate([s.ravel() for s in scale])
     assert flat[rms.argmax()] < 1 < flat[rms.argmin()]

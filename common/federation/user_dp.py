@@ -85,6 +85,12 @@ def share_std(z: float, clip: float, shares: int) -> float:
     return z * clip / math.sqrt(shares)
 
 
+def mean_noise_std(z: float, clip: float, cohort: int, shares: int) -> float:
+    """Per-coordinate deviation of the noise on the mean update when all `cohort` devices add their share
+    (each sized for `shares`): a little above z * clip / cohort unless no dropout is tolerated."""
+    return share_std(z, clip, shares) * math.sqrt(cohort) / cohort
+
+
 def masked_range(clip: float, std: float) -> float:
     """SecAgg+'s clipping range for a noised update: a clipped coordinate is at most `clip`, plus the noise's tail."""
     return clip + NOISE_TAIL_DEVIATIONS * std

@@ -44,14 +44,14 @@ class Preconditioner:
             out[name] = squares.sqrt().clamp_min(self.floor)
         return out
 
-    def update_scale(self, names: list[str]) -> list[np.ndarray]:
-        """Per-coordinate scale of the coordinates a public-sgd update travels, is clipped and is noised in
-        (`names`: the wire order): u = scale * y with scale = (rms / mean rms)^(-1/2). Noise isotropic in y is
+    def update_scale(self) -> list[np.ndarray]:
+        """Per-coordinate scale of the coordinates a public-sgd update travels, is clipped and is noised in (in
+        the heads' parameter order, which is the wire order: common/federation/records.py): u = scale * y with scale = (rms / mean rms)^(-1/2). Noise isotropic in y is
         smaller where public code moves the heads most, the directions the loss is sharpest in (public
         preconditioning before privatisation, as AdaDPS does: Li et al. 2022); the mean keeps norms comparable."""
         rms = self.denominators()
         mean = torch.cat([r.flatten() for r in rms.values()]).mean()
-        return [(rms[name] / mean).rsqrt().numpy().astype(np.float32) for name in names]
+        return [(r / mean).rsqrt().numpy().astype(np.float32) for r in rms.values()]
 
     def to_bytes(self) -> bytes:
         """float32 factors in the heads' parameter order, then the floor: what the train config carries."""

@@ -11,7 +11,6 @@ from typing import Any
 
 from common.federation import user_dp
 from common.federation.config import FedConfig
-from common.federation.records import wire_shapes
 from common.heads.lookahead import DraftHeads
 from common.training.preconditioner import Preconditioner
 from simulations.privacy_utility.population_grid import (
@@ -75,7 +74,7 @@ def run_grid(grid: Grid, save) -> dict[str, Any]:  # noqa: ANN001 - save(result)
         stdlib_preconditioner(public, base, config.chunk_len, config.seed).to_bytes(), public
     )  # through bytes, as a client receives it
     timings["preconditioner"] = time.perf_counter() - t
-    scale = preconditioner.update_scale([name for name, _ in wire_shapes(public)])
+    scale = preconditioner.update_scale()
     num_parameters = sum(p.numel() for p in public.parameters())
     alignment = config.user_dp_alignment
     result: dict[str, Any] = {

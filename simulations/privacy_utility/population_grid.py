@@ -186,7 +186,7 @@ def grid_point(
     delta = 1.0 / population
     z = user_dp.noise_multiplier(epsilon, delta, cohort / population, rounds)
     shares = user_dp.noise_cohort(cohort, config.secagg_max_dropout)
-    return z, delta, user_dp.share_std(z, config.update_max_norm, shares) * math.sqrt(cohort) / cohort
+    return z, delta, user_dp.mean_noise_std(z, config.update_max_norm, cohort, shares)
 
 
 def example_level_step(grid: Grid, config_map: dict[str, Any], users: Users) -> Callable[[DraftHeads, int], bool]:
